@@ -1,0 +1,126 @@
+"""Public entry point :func:`attention`: input checks and backend dispatch."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import torch
+
+from flashbob import blocked
+from flashbob.autograd import Attention
+
+BackendName = Literal["auto", "triton", "blocked"]
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The three passes one implementation provides (signatures as in :mod:`flashbob.blocked`)."""
+
+    name: str
+    forward: Callable
+    backward: Callable
+    bob: Callable
+
+
+def _triton_backend(allow_tf32: bool) -> Backend:
+    from flashbob import kernels  # imports triton; only when the Triton backend is used
+
+    bind = functools.partial(functools.partial, allow_tf32=allow_tf32)
+    return Backend("triton", bind(kernels.forward), bind(kernels.backward), bind(kernels.bob))
+
+
+BLOCKED = Backend("blocked", blocked.forward, blocked.backward, blocked.bob)
+
+
+def select_backend(q: torch.Tensor, backend: BackendName) -> Backend:
+    """``auto``: Triton kernels for CUDA tensors, the blocked PyTorch code for everything else.
+
+    ``triton`` on CPU tensors runs the kernels in Triton's interpreter, which needs
+    ``TRITON_INTERPRET=1`` in the environment before ``triton`` is first imported.
+    For float32 inputs the kernels use TF32 matrix products only if
+    ``torch.get_float32_matmul_precision()`` is not ``"highest"`` (PyTorch's default is full precision).
+    """
+    if backend not in ("auto", "triton", "blocked"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'blocked', got {backend!r}")
+    if backend == "blocked" or (backend == "auto" and not q.is_cuda):
+        return BLOCKED
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors (got device {q.device}), or TRITON_INTERPRET=1 set "
+            "before triton is imported to run the kernels in Triton's interpreter"
+        )
+    return _triton_backend(allow_tf32=torch.get_float32_matmul_precision() != "highest")
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise a ValueError/TypeError naming the offending argument for anything malformed."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions (batch, heads, seq, head_dim), got shape {tuple(x.shape)}")
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
+        if x.shape[2] == 0:
+            raise ValueError(f"{name} has sequence length 0; flashbob.attention needs at least 1")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}.dtype ({x.dtype}) must match q.dtype ({q.dtype})")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device} but q is on {q.device}; all inputs must be on one device")
+        if x.shape[0] != q.shape[0]:
+            raise ValueError(f"{name} has batch size {x.shape[0]} but q has {q.shape[0]}")
+        if x.shape[3] != q.shape[3]:
+            raise ValueError(f"{name} has head_dim {x.shape[3]} but q has {q.shape[3]}")
+    if v.shape[1:3] != k.shape[1:3]:
+        raise ValueError(f"v must have k's heads and length {tuple(k.shape[1:3])}, got {tuple(v.shape[1:3])}")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(
+            f"q's {q.shape[1]} heads must be a multiple of k's and v's {k.shape[1]} heads (grouped-query attention)"
+        )
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    backend: BackendName = "auto",
+) -> torch.Tensor:
+    r"""Softmax attention that can be differentiated twice, exactly and without an ``N x M`` tensor.
+
+    .. math:: O = \mathrm{softmax}(\tau\, Q K^\top + \text{mask})\, V, \qquad \tau = d^{-1/2} \text{ by default}
+
+    Args:
+        q: queries ``(batch, heads, N, head_dim)``.
+        k: keys ``(batch, kv_heads, M, head_dim)``; ``heads`` must be a multiple of ``kv_heads``
+            (grouped-query attention: query head ``h`` reads kv head ``h // (heads // kv_heads)``).
+        v: values, shaped like ``k``.
+        causal: query ``i`` sees key ``j`` iff ``j <= i`` (top-left aligned, as SDPA's ``is_causal``).
+        scale: softmax scale :math:`\tau`; ``None`` means ``1 / sqrt(head_dim)``.
+        backend: ``"auto"`` (Triton kernels on CUDA, blocked PyTorch elsewhere), ``"triton"`` or ``"blocked"``.
+
+    Returns:
+        ``O``, shaped and typed like ``q``. Its backward, taken with ``create_graph=True``, is
+        differentiable again through the closed-form backward-over-backward.
+
+    Example:
+        >>> q, k, v = (torch.randn(1, 2, 5, 8, requires_grad=True) for _ in range(3))
+        >>> (dq,) = torch.autograd.grad(attention(q, k, v).square().sum(), q, create_graph=True)
+        >>> hvp = torch.autograd.grad(dq.sum(), (q, k, v))   # second derivative, exact
+    """
+    check_inputs(q, k, v)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    elif not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale}")
+    chosen = select_backend(q, backend)
+    o, _lse = Attention.apply(q, k, v, bool(causal), float(scale), chosen)
+    return o

@@ -1,0 +1,217 @@
+"""Blocked pure-PyTorch FlashBoB: the backend for CPU (and any non-CUDA) tensors.
+
+It runs the same algorithm as the Triton kernels, with panels instead of tiles: every pass
+sweeps the ``N x M`` score matrix one panel at a time (a block of rows, or of columns in the
+second BoB pass), so at most one ``block x M`` (or ``N x block``) slice of it exists at once and
+memory is linear in the sequence length. See ``bob-math.md`` for the formulas; names follow it:
+
+* ``S = τ Q Kᵀ``, ``P = exp(S - lse)``, ``dP = dO Vᵀ``, ``Δ = rowsum(dO ∘ O)``, ``dS = P ∘ (dP - Δ)``
+* cotangents of the backward's outputs: ``Ū`` (for dQ), ``W̄`` (for dK), ``Z̄`` (for dV)
+* dual scores ``Ā = τ (Ū Kᵀ + Q W̄ᵀ)`` and ``B̄ = dO Z̄ᵀ``; row scalars ``A = rowsum(P ∘ Ā)`` and
+  ``C = rowsum(P ∘ (dP - Δ) ∘ Ā) + rowsum(P ∘ B̄) - A Δ``
+
+Grouped-query attention is handled by viewing the query heads as ``(kv_heads, group)`` and
+broadcasting keys and values over the group axis; gradients of keys and values sum over it.
+Arithmetic is in float32 (float64 for float64 inputs); results are cast back to the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import rearrange
+
+#: Largest number of score-matrix elements (summed over batch and heads) one panel may hold.
+PANEL_ELEMENTS = 1 << 22
+
+
+def panel_size(rows: int, row_length: int, batch_heads: int, block: int | None = None) -> int:
+    """Rows per panel: ``block`` if given, else as many as fit in :data:`PANEL_ELEMENTS`."""
+    if block is None:
+        block = PANEL_ELEMENTS // max(1, row_length * batch_heads)
+    return max(1, min(rows, block))
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _grouped(x: torch.Tensor | None, kv_heads: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """``(b, kv_heads * g, n, d) -> (b, kv_heads, g, n, d)`` in the compute dtype."""
+    if x is None:
+        return None
+    return rearrange(x.to(dtype), "b (h g) ... -> b h g ...", h=kv_heads)
+
+
+def _kv(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """``(b, kv_heads, m, d) -> (b, kv_heads, 1, m, d)``: broadcast over the query group."""
+    return None if x is None else x.to(dtype).unsqueeze(2)
+
+
+def _ungroup(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return rearrange(x, "b h g ... -> b (h g) ...").to(like.dtype)
+
+
+def _sum_group(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return x.sum(dim=2).to(like.dtype)
+
+
+def _scores(q, k, rows: slice, cols: slice, causal: bool, scale: float) -> torch.Tensor:
+    """Scaled scores ``τ Q[rows] K[cols]ᵀ`` of one panel, ``-inf`` where the causal mask hides a key."""
+    s = scale * q[..., rows, :] @ k[..., cols, :].transpose(-1, -2)
+    if causal:
+        i = torch.arange(rows.start, rows.stop, device=s.device)[:, None]
+        j = torch.arange(cols.start, cols.stop, device=s.device)[None, :]
+        s = s.masked_fill(j > i, float("-inf"))
+    return s
+
+
+def _visible_keys(rows: slice, m: int, causal: bool) -> slice:
+    """Keys any query in ``rows`` can see (causal: those up to the panel's last row)."""
+    return slice(0, min(m, rows.stop) if causal else m)
+
+
+def _visible_queries(cols: slice, n: int, causal: bool) -> slice:
+    """Queries that can see any key in ``cols`` (causal: those from the panel's first column)."""
+    return slice(min(cols.start, n) if causal else 0, n)
+
+
+def _panels(length: int, size: int):
+    for start in range(0, length, size):
+        yield slice(start, min(start + size, length))
+
+
+def forward(q, k, v, *, causal: bool, scale: float, block: int | None = None):
+    """Attention output ``O = softmax(S) V`` and ``lse = logsumexp_row(S)``, one row panel at a time."""
+    dtype = _compute_dtype(q)
+    kv_heads, n, m = k.shape[1], q.shape[2], k.shape[2]
+    qg, kg, vg = _grouped(q, kv_heads, dtype), _kv(k, dtype), _kv(v, dtype)
+    o = torch.empty_like(qg)
+    lse = torch.empty(qg.shape[:-1], dtype=dtype, device=q.device)
+    for rows in _panels(n, panel_size(n, m, qg.shape[:3].numel(), block)):
+        cols = _visible_keys(rows, m, causal)
+        s = _scores(qg, kg, rows, cols, causal, scale)
+        lse[..., rows] = torch.logsumexp(s, dim=-1)
+        o[..., rows, :] = torch.exp(s - lse[..., rows, None]) @ vg[..., cols, :]
+    return _ungroup(o, q), rearrange(lse, "b h g n -> b (h g) n")
+
+
+def backward(q, k, v, o, lse, do, *, causal: bool, scale: float, block: int | None = None):
+    """First backward ``(dQ, dK, dV, Δ)``: ``dV = Pᵀ dO``, ``dQ = τ dS K``, ``dK = τ dSᵀ Q``."""
+    dtype = _compute_dtype(q)
+    kv_heads, n, m = k.shape[1], q.shape[2], k.shape[2]
+    qg, kg, vg = _grouped(q, kv_heads, dtype), _kv(k, dtype), _kv(v, dtype)
+    dog, og = _grouped(do, kv_heads, dtype), _grouped(o, kv_heads, dtype)
+    lseg = _grouped(lse, kv_heads, dtype)
+    delta = (dog * og).sum(-1)
+    dq = torch.zeros_like(qg)
+    dk = torch.zeros(qg.shape[:2] + kg.shape[2:], dtype=dtype, device=q.device)
+    dv = torch.zeros_like(dk)
+    for rows in _panels(n, panel_size(n, m, qg.shape[:3].numel(), block)):
+        cols = _visible_keys(rows, m, causal)
+        p = torch.exp(_scores(qg, kg, rows, cols, causal, scale) - lseg[..., rows, None])
+        dp = dog[..., rows, :] @ vg[..., cols, :].transpose(-1, -2)
+        ds = p * (dp - delta[..., rows, None])
+        dq[..., rows, :] = scale * ds @ kg[..., cols, :]
+        dk[..., cols, :] += scale * (ds.transpose(-1, -2) @ qg[..., rows, :]).sum(2, keepdim=True)
+        dv[..., cols, :] += (p.transpose(-1, -2) @ dog[..., rows, :]).sum(2, keepdim=True)
+    return (
+        _ungroup(dq, q),
+        dk.squeeze(2).to(k.dtype),
+        dv.squeeze(2).to(v.dtype),
+        rearrange(delta, "b h g n -> b (h g) n"),
+    )
+
+
+def _dual_scores(q, k, u_bar, w_bar, rows: slice, cols: slice, scale: float):
+    """``Ā = τ (Ū Kᵀ + Q W̄ᵀ)`` on one panel, or None when both cotangents are absent."""
+    terms = []
+    if u_bar is not None:
+        terms.append(u_bar[..., rows, :] @ k[..., cols, :].transpose(-1, -2))
+    if w_bar is not None:
+        terms.append(q[..., rows, :] @ w_bar[..., cols, :].transpose(-1, -2))
+    return scale * sum(terms) if terms else None
+
+
+def _bob_panel(t: dict, rows: slice, cols: slice, causal: bool, scale: float):
+    """One panel of BoB: ``P``, ``dS``, ``G_S``, ``P ∘ Ā`` (None if ``Ā`` is absent), ``A`` and ``C``.
+
+    ``A`` and ``C`` are taken from ``t`` when present (pass 2 reads what pass 1 stored) and
+    computed from the panel otherwise (pass 1 sees whole rows)::
+
+        G_dP = P ∘ (Ā - A)
+        G_S  = P ∘ ((dP - Δ) ∘ Ā - A dP + B̄ - C)
+    """
+    p = torch.exp(_scores(t["q"], t["k"], rows, cols, causal, scale) - t["lse"][..., rows, None])
+    delta = t["delta"][..., rows, None]
+    dp = t["do"][..., rows, :] @ t["v"][..., cols, :].transpose(-1, -2)
+    ds = p * (dp - delta)
+    a_bar = _dual_scores(t["q"], t["k"], t["u_bar"], t["w_bar"], rows, cols, scale)
+    b_bar = None if t["z_bar"] is None else t["do"][..., rows, :] @ t["z_bar"][..., cols, :].transpose(-1, -2)
+    if "a" in t:
+        a, c = t["a"][..., rows], t["c"][..., rows]
+    else:
+        a = torch.zeros_like(delta[..., 0]) if a_bar is None else (p * a_bar).sum(-1)
+        c = -a * delta[..., 0]
+        if a_bar is not None:
+            c = c + (ds * a_bar).sum(-1)
+        if b_bar is not None:
+            c = c + (p * b_bar).sum(-1)
+    inner = -c[..., None].expand_as(p)
+    if a_bar is not None:
+        inner = inner + (dp - delta) * a_bar - a[..., None] * dp
+    if b_bar is not None:
+        inner = inner + b_bar
+    return p, ds, p * inner, None if a_bar is None else p * a_bar, a, c
+
+
+def bob(q, k, v, do, o, lse, delta, dq_bar, dk_bar, dv_bar, *, causal: bool, scale: float, block: int | None = None):
+    """Backward-over-backward: the cotangents ``(Q̄, K̄, V̄, dŌ)`` of ``(Q, K, V, dO)``.
+
+    Inputs are the backward's inputs, its saved ``O``, ``lse``, ``Δ`` (constants: the formulas
+    include every path through them) and the cotangents ``Ū = dq_bar``, ``W̄ = dk_bar``,
+    ``Z̄ = dv_bar`` of its outputs, each possibly None (zero). Two sweeps:
+
+    * pass 1, row panels: ``A``, ``C`` and the row outputs
+      ``Q̄ = τ (G_S K + dS W̄)``, ``dŌ = (P ∘ Ā) V - A ∘ O + P Z̄``;
+    * pass 2, column panels, reading ``A``, ``C``: ``K̄ = τ (G_Sᵀ Q + dSᵀ Ū)``, ``V̄ = G_dPᵀ dO``.
+    """
+    if dq_bar is None and dk_bar is None and dv_bar is None:
+        return tuple(torch.zeros_like(x) for x in (q, k, v, do))
+    dtype = _compute_dtype(q)
+    kv_heads, n, m = k.shape[1], q.shape[2], k.shape[2]
+    t = {
+        "q": _grouped(q, kv_heads, dtype), "do": _grouped(do, kv_heads, dtype),
+        "lse": _grouped(lse, kv_heads, dtype), "delta": _grouped(delta, kv_heads, dtype),
+        "u_bar": _grouped(dq_bar, kv_heads, dtype),
+        "k": _kv(k, dtype), "v": _kv(v, dtype), "w_bar": _kv(dk_bar, dtype), "z_bar": _kv(dv_bar, dtype),
+    }
+    og = _grouped(o, kv_heads, dtype)
+    q_bar, do_bar = torch.zeros_like(t["q"]), torch.zeros_like(t["do"])
+    a, c = torch.empty_like(t["delta"]), torch.empty_like(t["delta"])
+    batch_heads = t["q"].shape[:3].numel()
+    for rows in _panels(n, panel_size(n, m, batch_heads, block)):
+        cols = _visible_keys(rows, m, causal)
+        p, ds, g_s, p_a_bar, a[..., rows], c[..., rows] = _bob_panel(t, rows, cols, causal, scale)
+        q_bar[..., rows, :] = g_s @ t["k"][..., cols, :]
+        if t["w_bar"] is not None:
+            q_bar[..., rows, :] += ds @ t["w_bar"][..., cols, :]
+        q_bar[..., rows, :] *= scale
+        do_bar[..., rows, :] = -a[..., rows, None] * og[..., rows, :]
+        if p_a_bar is not None:
+            do_bar[..., rows, :] += p_a_bar @ t["v"][..., cols, :]
+        if t["z_bar"] is not None:
+            do_bar[..., rows, :] += p @ t["z_bar"][..., cols, :]
+    t["a"], t["c"] = a, c
+    k_bar = torch.zeros(t["q"].shape[:2] + t["k"].shape[2:], dtype=dtype, device=q.device)
+    v_bar = torch.zeros_like(k_bar)
+    for cols in _panels(m, panel_size(m, n, batch_heads, block)):
+        rows = _visible_queries(cols, n, causal)
+        p, ds, g_s, p_a_bar, a_panel, _ = _bob_panel(t, rows, cols, causal, scale)
+        k_panel = g_s.transpose(-1, -2) @ t["q"][..., rows, :]
+        if t["u_bar"] is not None:
+            k_panel += ds.transpose(-1, -2) @ t["u_bar"][..., rows, :]
+        k_bar[..., cols, :] = scale * k_panel.sum(2, keepdim=True)
+        if p_a_bar is not None:
+            g_dp = p_a_bar - a_panel[..., None] * p
+            v_bar[..., cols, :] = (g_dp.transpose(-1, -2) @ t["do"][..., rows, :]).sum(2, keepdim=True)
+    return _ungroup(q_bar, q), k_bar.squeeze(2).to(k.dtype), v_bar.squeeze(2).to(v.dtype), _ungroup(do_bar, do)
