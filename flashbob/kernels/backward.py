@@ -1,0 +1,229 @@
+"""Attention backward, FlashAttention-2's split: delta, then dK/dV by key block and dQ by query block."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import configs
+from .common import (
+    LOG2E,
+    check_qkv,
+    dot_precision,
+    head_dim_block,
+    head_pointer,
+    load_tile,
+    operand,
+    probabilities,
+    probabilities_transposed,
+    row_statistic,
+    row_vector_pointer,
+    store_tile,
+    strides,
+)
+
+
+@triton.jit
+def _delta_kernel(
+    O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don, heads, N,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    r""":math:`\Delta_i = dO_i \cdot O_i` (:math:`= \sum_j P_{ij}\, dP_{ij}`) for one query block."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    batch_head = tl.program_id(1)
+    batch, head = batch_head // heads, batch_head % heads
+    o = load_tile(head_pointer(O, batch, head, stride_ob, stride_oh), rows, N, stride_on, HEAD_DIM, BLOCK_D)
+    do = load_tile(head_pointer(DO, batch, head, stride_dob, stride_doh), rows, N, stride_don, HEAD_DIM, BLOCK_D)
+    acc_dtype = DELTA.dtype.element_ty
+    delta = tl.sum(o.to(acc_dtype) * do.to(acc_dtype), 1)
+    tl.store(row_vector_pointer(DELTA, batch_head, N) + rows, delta, mask=rows < N)
+
+
+@triton.jit
+def _dkdv_inner(
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qn, stride_don, keys, start, end, N, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASK_CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    r"""Add query rows ``[start, end)`` of one query head to a key block's
+    :math:`dV_j = \sum_i P_{ij}\, dO_i` and :math:`dK_j / \tau = \sum_i dS_{ij}\, Q_i`, with
+    :math:`dS = P \circ (dO V^\top - \Delta)`; tiles are kept transposed (keys by queries)."""
+    for start_m in range(start, end, BLOCK_M):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        q = load_tile(q_base, rows, N, stride_qn, HEAD_DIM, BLOCK_D)
+        do = load_tile(do_base, rows, N, stride_don, HEAD_DIM, BLOCK_D)
+        lse2 = tl.load(lse_base + rows, mask=rows < N, other=float("inf")) * LOG2E
+        delta = tl.load(delta_base + rows, mask=rows < N, other=0.0)
+        p_t = probabilities_transposed(k, q, lse2, rows, keys, qk_scale, MASK_CAUSAL, PRECISION)
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+    heads, kv_heads, group, N, M, qk_scale, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+):
+    r""":math:`dK = \tau\, dS^\top Q` and :math:`dV = P^\top dO` of one key block of one kv head,
+    summed over the ``group`` query heads that share it (no atomics).
+
+    Causal: queries before the block see none of it and are skipped; the queries in
+    ``[start_n, start_n + BLOCK_N)`` (rounded up to whole query blocks) are masked; later ones see it all.
+    """
+    start_n = tl.program_id(0) * BLOCK_N
+    batch_kv_head = tl.program_id(1)
+    batch, kv_head = batch_kv_head // kv_heads, batch_kv_head % kv_heads
+    keys = start_n + tl.arange(0, BLOCK_N)
+    k = load_tile(head_pointer(K, batch, kv_head, stride_kb, stride_kh), keys, M, stride_kn, HEAD_DIM, BLOCK_D)
+    v = load_tile(head_pointer(V, batch, kv_head, stride_vb, stride_vh), keys, M, stride_vn, HEAD_DIM, BLOCK_D)
+    acc_dtype = LSE.dtype.element_ty
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
+
+    if CAUSAL:
+        masked_end = tl.minimum(start_n + (BLOCK_N + BLOCK_M - 1) // BLOCK_M * BLOCK_M, N)
+    else:
+        masked_end = 0
+    for member in range(group):
+        head = kv_head * group + member
+        q_base = head_pointer(Q, batch, head, stride_qb, stride_qh)
+        do_base = head_pointer(DO, batch, head, stride_dob, stride_doh)
+        lse_base = row_vector_pointer(LSE, batch * heads + head, N)
+        delta_base = row_vector_pointer(DELTA, batch * heads + head, N)
+        if CAUSAL:
+            dk, dv = _dkdv_inner(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qn, stride_don, keys, start_n,
+                masked_end, N, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION,
+            )
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qn, stride_don, keys, masked_end, N, N,
+            qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, False, PRECISION,
+        )
+
+    dk_base = head_pointer(DK, batch, kv_head, stride_dkb, stride_dkh)
+    store_tile(dk_base, dk * scale, keys, M, stride_dkn, HEAD_DIM, BLOCK_D)
+    dv_base = head_pointer(DV, batch, kv_head, stride_dvb, stride_dvh)
+    store_tile(dv_base, dv, keys, M, stride_dvn, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _dq_inner(
+    dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, rows, start, end, M, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    r"""Add key blocks ``[start, end)`` to a query block's :math:`dQ_i / \tau = \sum_j dS_{ij} K_j`."""
+    for start_n in range(start, end, BLOCK_N):
+        keys = start_n + tl.arange(0, BLOCK_N)
+        k = load_tile(k_base, keys, M, stride_kn, HEAD_DIM, BLOCK_D)
+        v = load_tile(v_base, keys, M, stride_vn, HEAD_DIM, BLOCK_D)
+        p = probabilities(q, k, lse2, rows, keys, M, qk_scale, MASK_CAUSAL, PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
+    heads, group, N, M, qk_scale, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+):
+    r""":math:`dQ = \tau\, dS K` of one query block, key blocks split as in the forward."""
+    start_m = tl.program_id(0) * BLOCK_M
+    batch_head = tl.program_id(1)
+    batch, head = batch_head // heads, batch_head % heads
+    kv_head = head // group
+    k_base = head_pointer(K, batch, kv_head, stride_kb, stride_kh)
+    v_base = head_pointer(V, batch, kv_head, stride_vb, stride_vh)
+
+    rows = start_m + tl.arange(0, BLOCK_M)
+    q = load_tile(head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM, BLOCK_D)
+    do = load_tile(head_pointer(DO, batch, head, stride_dob, stride_doh), rows, N, stride_don, HEAD_DIM, BLOCK_D)
+    lse2 = tl.load(row_vector_pointer(LSE, batch_head, N) + rows, mask=rows < N, other=0.0) * LOG2E
+    delta = tl.load(row_vector_pointer(DELTA, batch_head, N) + rows, mask=rows < N, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=LSE.dtype.element_ty)
+
+    if CAUSAL:
+        end = tl.minimum(M, start_m + BLOCK_M)
+        unmasked_end = tl.minimum(start_m // BLOCK_N * BLOCK_N, end)
+    else:
+        end = M
+        unmasked_end = M
+    dq = _dq_inner(
+        dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, rows, 0, unmasked_end, M, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION,
+    )
+    if CAUSAL:
+        dq = _dq_inner(
+            dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, rows, unmasked_end, end, M, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION,
+        )
+    dq_base = head_pointer(DQ, batch, head, stride_dqb, stride_dqh)
+    store_tile(dq_base, dq * scale, rows, N, stride_dqn, HEAD_DIM, BLOCK_D)
+
+
+def backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
+    *, causal: bool, scale: float, allow_tf32: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""Gradients of attention for the output cotangent ``do``.
+
+    .. math::
+        P = e^{S - \mathrm{lse}},\quad \Delta_i = dO_i \cdot O_i,\quad dS = P \circ (dO V^\top - \Delta),\\
+        dQ = \tau\, dS K,\quad dK = \tau\, dS^\top Q,\quad dV = P^\top dO
+
+    Args:
+        q, k, v, causal, scale, allow_tf32: as in :func:`flashbob.kernels.forward`.
+        o, lse: the forward's outputs.
+        do: ``(B, H, N, d)`` cotangent of ``o``.
+
+    Returns:
+        ``dq`` like ``q``; ``dk``, ``dv`` like ``k``, ``v`` (summed over the query heads of each kv
+        group); ``delta`` ``(B, H, N)`` in the dtype of ``lse`` (float32, float64 for float64 inputs).
+    """
+    check_qkv(q, k, v)
+    if o.shape != q.shape or do.shape != q.shape:
+        raise ValueError(f"o and do must be shaped like q {tuple(q.shape)}; got {tuple(o.shape)}, {tuple(do.shape)}")
+    q, k, v, o, do = (operand(x, q) for x in (q, k, v, o, do))
+    batch, heads, n, head_dim = q.shape
+    kv_heads, m = k.shape[1], k.shape[2]
+    lse = row_statistic(lse, q)
+    delta = torch.empty_like(lse)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    shape = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim))
+    precision = dot_precision(q.dtype, allow_tf32)
+    qk_scale = scale * LOG2E.value
+
+    config = configs.choose("delta", head_dim, q.dtype)
+    _delta_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads)](
+        o, do, delta, *strides(o), *strides(do), heads, n, **shape, BLOCK_M=config.block_m,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    config = configs.choose("dkdv", head_dim, q.dtype)
+    _dkdv_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_N"]), batch * kv_heads)](
+        q, k, v, do, lse, delta, dk, dv, *strides(q), *strides(k), *strides(v), *strides(do), *strides(dk),
+        *strides(dv), heads, kv_heads, heads // kv_heads, n, m, qk_scale, scale,
+        **shape, BLOCK_M=config.block_m, BLOCK_N=config.block_n, CAUSAL=causal, PRECISION=precision,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    config = configs.choose("dq", head_dim, q.dtype)
+    _dq_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads)](
+        q, k, v, do, lse, delta, dq, *strides(q), *strides(k), *strides(v), *strides(do), *strides(dq),
+        heads, heads // kv_heads, n, m, qk_scale, scale,
+        **shape, BLOCK_M=config.block_m, BLOCK_N=config.block_n, CAUSAL=causal, PRECISION=precision,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return dq, dk, dv, delta

@@ -1,0 +1,139 @@
+"""Pieces shared by the attention kernels: tile loads and stores, and the host-side checks."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_HEAD_DIM = 256
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+# exp(x) = exp2(x * log2(e)): the kernels work in base 2 and store lse in natural units.
+LOG2E = tl.constexpr(math.log2(math.e))
+
+
+# ----------------------------------------------------------------------------- device helpers
+
+
+@triton.jit
+def head_pointer(X, batch, head, stride_batch, stride_head):
+    """Pointer to the ``(rows, head_dim)`` matrix of one (batch, head), offsets in int64."""
+    return X + batch.to(tl.int64) * stride_batch + head.to(tl.int64) * stride_head
+
+
+@triton.jit
+def load_tile(X, rows, n_rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows ``rows`` of the ``(n_rows, HEAD_DIM)`` matrix at ``X`` (unit column stride) as a
+    ``(len(rows), BLOCK_D)`` tile; zero outside the matrix (ragged tails, head_dim padding)."""
+    cols = tl.arange(0, BLOCK_D)
+    pointers = X + rows.to(tl.int64)[:, None] * stride_row + cols[None, :]
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM)
+    return tl.load(pointers, mask=mask, other=0.0)
+
+
+@triton.jit
+def store_tile(X, tile, rows, n_rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Store a ``(len(rows), BLOCK_D)`` tile into the ``(n_rows, HEAD_DIM)`` matrix at ``X``,
+    converted to its dtype; padding rows and columns are dropped."""
+    cols = tl.arange(0, BLOCK_D)
+    pointers = X + rows.to(tl.int64)[:, None] * stride_row + cols[None, :]
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM)
+    tl.store(pointers, tile.to(X.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def row_vector_pointer(X, batch_head, n_rows):
+    """Pointer to the row statistics (lse, delta, A, C) of one (batch, head) in a contiguous
+    ``(batch, heads, n_rows)`` tensor; ``batch_head = batch * heads + head``."""
+    return X + batch_head.to(tl.int64) * n_rows
+
+
+@triton.jit
+def visible_keys(rows, keys, M, MASK_CAUSAL: tl.constexpr):
+    """``(rows, keys)`` mask of the scores a row kernel keeps: keys in range and, on diagonal
+    tiles, only key ``j <= i`` for query ``i``."""
+    mask = keys[None, :] < M
+    if MASK_CAUSAL:
+        mask = mask & (keys[None, :] <= rows[:, None])
+    return mask
+
+
+@triton.jit
+def probabilities(q, k, lse2, rows, keys, M, qk_scale, MASK_CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+    r"""Tile :math:`P_{ij} = \exp(\tau\, q_i \cdot k_j - \mathrm{lse}_i)` of a row kernel, zero for
+    invisible keys; ``qk_scale`` is :math:`\tau \log_2 e` and ``lse2`` is :math:`\mathrm{lse} \log_2 e`."""
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    scores = tl.where(visible_keys(rows, keys, M, MASK_CAUSAL), scores, float("-inf"))
+    return tl.exp2(scores - lse2[:, None])
+
+
+@triton.jit
+def probabilities_transposed(k, q, lse2, rows, keys, qk_scale, MASK_CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+    r"""Tile :math:`P^\top` (keys by queries) of a column kernel. Keys past M need no mask (their
+    rows are never stored); queries past N must come with ``lse2 = +inf`` so that their P is 0."""
+    scores = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
+    if MASK_CAUSAL:
+        scores = tl.where(keys[:, None] <= rows[None, :], scores, float("-inf"))
+    return tl.exp2(scores - lse2[None, :])
+
+
+# ----------------------------------------------------------------------------- host helpers
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise ValueError unless ``q (B, H, N, d)``, ``k, v (B, Hkv, M, d)`` fit the kernels."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-d (batch, heads, seq, head_dim); got {q.dim()}, {k.dim()}, {v.dim()}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    batch, heads, _, head_dim = q.shape
+    if k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(f"k must be (batch={batch}, kv_heads, M, head_dim={head_dim}); got {tuple(k.shape)}")
+    if k.shape[1] == 0 or heads % k.shape[1] != 0:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({k.shape[1]})")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be between 1 and {MAX_HEAD_DIM}; got head_dim={head_dim}")
+    if q.shape[2] < 1 or k.shape[2] < 1:
+        raise ValueError(f"sequence lengths must be >= 1; got N={q.shape[2]}, M={k.shape[2]}")
+    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype of {SUPPORTED_DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+
+
+def operand(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``x`` in the dtype of ``like`` with unit stride along head_dim (the kernels' only layout
+    requirement: other strides are passed to the kernels). Copies only when that is not already so."""
+    x = x.to(like.dtype)
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def row_statistic(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """A ``(B, H, N)`` statistic of ``q``'s rows (lse, delta) as a contiguous tensor in the
+    accumulator dtype (copied only if needed: N floats per head, cheap)."""
+    if x.shape != q.shape[:3]:
+        raise ValueError(f"row statistics must have shape {tuple(q.shape[:3])}; got {tuple(x.shape)}")
+    return x.to(accumulator_dtype(q.dtype)).contiguous()
+
+
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 for float64 inputs, else float32: the dtype of P, lse, delta, A, C and accumulators."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def dot_precision(dtype: torch.dtype, allow_tf32: bool) -> str:
+    """``input_precision`` of ``tl.dot``: tf32 only for float32 inputs that allow it."""
+    return "tf32" if dtype == torch.float32 and allow_tf32 else "ieee"
+
+
+def head_dim_block(head_dim: int) -> int:
+    """Padded head_dim of a tile: the next power of two, at least 16 (the smallest ``tl.dot`` size)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def strides(x: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, head, row) strides of a ``(B, H, rows, d)`` tensor with unit stride along d."""
+    return x.stride(0), x.stride(1), x.stride(2)

@@ -1,0 +1,135 @@
+"""Attention forward: FlashAttention-2 online softmax, one program per (query block, batch*head)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import configs
+from .common import (
+    LOG2E,
+    accumulator_dtype,
+    check_qkv,
+    dot_precision,
+    head_dim_block,
+    head_pointer,
+    load_tile,
+    operand,
+    row_vector_pointer,
+    store_tile,
+    strides,
+    visible_keys,
+)
+
+
+@triton.jit
+def _forward_inner(
+    acc, row_max, row_sum, q, k_base, v_base, stride_kn, stride_vn, rows, start, end, M, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    r"""Fold key blocks ``[start, end)`` into the online softmax of one query block.
+
+    With :math:`s_{ij} = \tau\, q_i \cdot k_j \log_2 e` (base 2), running max :math:`m_i`, running sum
+    :math:`\ell_i = \sum_j 2^{s_{ij} - m_i}` and unnormalised output
+    :math:`\mathrm{acc}_i = \sum_j 2^{s_{ij} - m_i} v_j`, a new block rescales both by
+    :math:`2^{m_i^{old} - m_i^{new}}` before adding its own terms.
+    """
+    for start_n in range(start, end, BLOCK_N):
+        keys = start_n + tl.arange(0, BLOCK_N)
+        k = load_tile(k_base, keys, M, stride_kn, HEAD_DIM, BLOCK_D)
+        v = load_tile(v_base, keys, M, stride_vn, HEAD_DIM, BLOCK_D)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        scores = tl.where(visible_keys(rows, keys, M, MASK_CAUSAL), scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        rescale = tl.exp2(row_max - new_max)
+        p = tl.exp2(scores - new_max[:, None])
+        row_sum = row_sum * rescale + tl.sum(p, 1)
+        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        row_max = new_max
+    return acc, row_max, row_sum
+
+
+@triton.jit
+def _forward_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
+    heads, group, N, M, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+):
+    r""":math:`O = \mathrm{softmax}(\tau Q K^\top) V` and :math:`\mathrm{lse}_i = \log \sum_j e^{\tau q_i \cdot k_j}`
+    for one query block; causal: key blocks right of the diagonal are skipped, diagonal ones masked."""
+    start_m = tl.program_id(0) * BLOCK_M
+    batch_head = tl.program_id(1)
+    batch, head = batch_head // heads, batch_head % heads
+    kv_head = head // group
+    k_base = head_pointer(K, batch, kv_head, stride_kb, stride_kh)
+    v_base = head_pointer(V, batch, kv_head, stride_vb, stride_vh)
+
+    rows = start_m + tl.arange(0, BLOCK_M)
+    q = load_tile(head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM, BLOCK_D)
+    acc_dtype = LSE.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
+    row_max = tl.full([BLOCK_M], float("-inf"), dtype=acc_dtype)
+    row_sum = tl.zeros([BLOCK_M], dtype=acc_dtype)
+
+    if CAUSAL:
+        end = tl.minimum(M, start_m + BLOCK_M)  # the block's last query sees no key beyond it
+        unmasked_end = tl.minimum(start_m // BLOCK_N * BLOCK_N, end)  # whole key blocks left of the diagonal
+    else:
+        end = M
+        unmasked_end = M
+    acc, row_max, row_sum = _forward_inner(
+        acc, row_max, row_sum, q, k_base, v_base, stride_kn, stride_vn, rows, 0, unmasked_end, M, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION,
+    )
+    if CAUSAL:
+        acc, row_max, row_sum = _forward_inner(
+            acc, row_max, row_sum, q, k_base, v_base, stride_kn, stride_vn, rows, unmasked_end, end, M,
+            qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION,
+        )
+
+    o_base = head_pointer(O, batch, head, stride_ob, stride_oh)
+    store_tile(o_base, acc / row_sum[:, None], rows, N, stride_on, HEAD_DIM, BLOCK_D)
+    lse = (row_max + tl.log2(row_sum)) / LOG2E
+    tl.store(row_vector_pointer(LSE, batch_head, N) + rows, lse, mask=rows < N)
+
+
+def forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float, allow_tf32: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Attention output and row log-sum-exp.
+
+    .. math::
+        S = \tau Q K^\top\ (\text{causal: } S_{ij} = -\infty \text{ for } j > i),\quad
+        O = \mathrm{softmax}_\text{row}(S)\, V,\quad \mathrm{lse}_i = \log \textstyle\sum_j e^{S_{ij}}
+
+    Args:
+        q: ``(B, H, N, d)`` queries.
+        k, v: ``(B, Hkv, M, d)`` keys and values, ``H % Hkv == 0`` (query head ``h`` reads kv head
+            ``h // (H // Hkv)``).
+        causal: top-left aligned causal mask (query ``i`` sees key ``j`` iff ``j <= i``).
+        scale: :math:`\tau`.
+        allow_tf32: float32 inputs only: let ``tl.dot`` round its operands to tf32.
+
+    Returns:
+        ``o`` shaped and typed like ``q``; ``lse`` ``(B, H, N)`` in float32 (float64 for float64 inputs).
+    """
+    check_qkv(q, k, v)
+    q, k, v = (operand(x, q) for x in (q, k, v))
+    batch, heads, n, head_dim = q.shape
+    kv_heads, m = k.shape[1], k.shape[2]
+    o = torch.empty_like(q)
+    lse = torch.empty((batch, heads, n), dtype=accumulator_dtype(q.dtype), device=q.device)
+    config = configs.choose("forward", head_dim, q.dtype)
+    _forward_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads)](
+        q, k, v, o, lse, *strides(q), *strides(k), *strides(v), *strides(o),
+        heads, heads // kv_heads, n, m, scale * LOG2E.value,
+        HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        CAUSAL=causal, PRECISION=dot_precision(q.dtype, allow_tf32),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return o, lse

@@ -1,0 +1,198 @@
+"""Every output of the Triton kernels against the float64 autograd oracle in flashbob.reference."""
+
+import itertools
+import os
+
+import pytest
+import torch
+
+from flashbob import kernels, reference
+from flashbob.kernels import configs
+from tests.helpers import relative_error
+
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"  # tests/conftest.py sets it
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
+FP16_BAR = 1.5  # half precision: no worse than 1.5x eager PyTorch autograd in the same dtype
+FORWARD, BACKWARD, BOB = ("o", "lse"), ("dq", "dk", "dv", "delta"), ("q_bar", "k_bar", "v_bar", "do_bar")
+COTANGENTS = ("dq_bar", "dk_bar", "dv_bar")
+
+# (batch, heads, kv_heads, N, M, head_dim): N < M and N > M, lengths that are not multiples of the
+# 16x16 test tiles, single rows/keys, GQA and MQA, padded and large head dims.
+SHAPES = [
+    (1, 2, 2, 17, 33, 16),
+    (2, 4, 2, 45, 17, 32),
+    (1, 4, 1, 1, 45, 64),
+    (1, 2, 1, 20, 1, 40),
+    (1, 2, 2, 64, 64, 40),
+    (1, 1, 1, 20, 13, 128),
+    (1, 2, 1, 9, 20, 256),
+]
+
+
+@pytest.fixture
+def small_tiles():
+    """16x16 tiles, so that the small test shapes span several tiles and ragged tails."""
+    with configs.override(block_m=16, block_n=16):
+        yield
+
+
+def make_inputs(gen, shape, dtype, *, layout="contiguous"):
+    """Random q, k, v, do and cotangents; ``layout="transposed"`` gives (B, N, H, d) storage viewed
+    as (B, H, N, d), ``"strided"`` a head_dim stride of 2."""
+    batch, heads, kv_heads, n, m, head_dim = shape
+
+    def randn(h, rows):
+        x = torch.randn(batch, rows, h, 2 * head_dim, generator=gen, dtype=torch.float64).to(dtype)
+        x = x.transpose(1, 2)
+        x = x[..., ::2] if layout == "strided" else x[..., :head_dim]
+        return x.contiguous() if layout == "contiguous" else x
+
+    names = ("q", "k", "v", "do", *COTANGENTS)
+    rows = {"q": (heads, n), "do": (heads, n), "dq_bar": (heads, n)}
+    return {name: randn(*rows.get(name, (kv_heads, m))).to(DEVICE) for name in names}
+
+
+def run_kernels(inputs, cotangents, *, causal, scale):
+    """All ten outputs of forward, backward and BoB, chained as the autograd wiring chains them."""
+    q, k, v, do = (inputs[name] for name in ("q", "k", "v", "do"))
+    o, lse = kernels.forward(q, k, v, causal=causal, scale=scale)
+    dq, dk, dv, delta = kernels.backward(q, k, v, o, lse, do, causal=causal, scale=scale)
+    bars = [inputs[name] if name in cotangents else None for name in COTANGENTS]
+    outs = kernels.bob(q, k, v, do, o, lse, delta, *bars, causal=causal, scale=scale)
+    return dict(zip(FORWARD + BACKWARD + BOB, (o, lse, dq, dk, dv, delta, *outs)))
+
+
+def run_reference(inputs, cotangents, *, causal, scale, dtype=torch.float64):
+    """The same ten outputs from the naive autograd oracle, computed in ``dtype``."""
+    q, k, v, do = (inputs[name].to(dtype) for name in ("q", "k", "v", "do"))
+    o = reference.attention(q, k, v, causal=causal, scale=scale)
+    scores = scale * q @ reference.expand_kv(k, q.shape[1]).transpose(-1, -2)
+    if causal:
+        scores = scores.masked_fill(~reference.causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    dq, dk, dv = reference.attention_backward(q, k, v, do, causal=causal, scale=scale)
+    bars = [inputs[name].to(dtype) if name in cotangents else None for name in COTANGENTS]
+    outs = reference.backward_over_backward(q, k, v, do, *bars, causal=causal, scale=scale)
+    values = (o, torch.logsumexp(scores, -1), dq, dk, dv, (do * o).sum(-1), *outs)
+    return dict(zip(FORWARD + BACKWARD + BOB, values))
+
+
+def check_layout(outputs, inputs):
+    """Outputs are shaped like their inputs, in the input dtype; row statistics in the accumulator dtype."""
+    dtype = inputs["q"].dtype
+    like = dict(o="q", dq="q", q_bar="q", do_bar="q", dk="k", k_bar="k", dv="v", v_bar="v")
+    for name, source in like.items():
+        assert outputs[name].shape == inputs[source].shape and outputs[name].dtype == dtype, name
+    stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    for name in ("lse", "delta"):
+        assert outputs[name].shape == inputs["q"].shape[:3] and outputs[name].dtype == stat_dtype, name
+
+
+def assert_matches_reference(outputs, inputs, cotangents, *, causal, scale, tolerance):
+    """Every output within ``tolerance`` of the float64 oracle, relative to the output's norm.
+
+    References that are exactly zero in exact arithmetic (dQ and dK when each query sees a single
+    key, V̄ without dq_bar and dk_bar, ...) are detected by their size and checked absolutely.
+    """
+    check_layout(outputs, inputs)
+    refs = run_reference(inputs, cotangents, causal=causal, scale=scale)
+    compared = []
+    for name, ref in refs.items():
+        if ref.abs().max() < 1e-12:
+            assert outputs[name].double().abs().max() < tolerance, f"{name} should be zero"
+        else:
+            error = relative_error(outputs[name], ref)
+            assert error < tolerance, f"{name}: relative error {error:.2e} >= {tolerance:.0e}"
+            compared.append(name)
+    assert {"o", "lse", "dv", "delta"} <= set(compared), "degenerate inputs: nothing was compared"
+
+
+def assert_no_worse_than_eager(outputs, inputs, cotangents, *, causal, scale):
+    """Half precision: every output's error against the float64 oracle is at most ``FP16_BAR``
+    times that of eager autograd through naive attention in the same dtype (the project's bar)."""
+    check_layout(outputs, inputs)
+    exact = run_reference(inputs, cotangents, causal=causal, scale=scale)
+    eager = run_reference(inputs, cotangents, causal=causal, scale=scale, dtype=inputs["q"].dtype)
+    for name, ref in exact.items():
+        ours, theirs = relative_error(outputs[name], ref), relative_error(eager[name], ref)
+        assert ours <= FP16_BAR * theirs, f"{name}: {ours:.2e} > {FP16_BAR} x eager {theirs:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}H{}Hkv{}N{}M{}d{}".format(*s))
+def test_all_outputs(gen, shape, causal, dtype, small_tiles):
+    inputs = make_inputs(gen, shape, dtype)
+    scale = shape[-1] ** -0.5
+    outputs = run_kernels(inputs, COTANGENTS, causal=causal, scale=scale)
+    assert_matches_reference(outputs, inputs, COTANGENTS, causal=causal, scale=scale, tolerance=TOLERANCE[dtype])
+
+
+SUBSETS = [s for r in range(1, 4) for s in itertools.combinations(COTANGENTS, r)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("cotangents", SUBSETS, ids="+".join)
+def test_bob_cotangent_subsets(gen, cotangents, causal, small_tiles):
+    shape = (1, 4, 2, 33, 21, 32)
+    inputs = make_inputs(gen, shape, torch.float64)
+    outputs = run_kernels(inputs, cotangents, causal=causal, scale=0.3)
+    assert_matches_reference(outputs, inputs, cotangents, causal=causal, scale=0.3, tolerance=1e-10)
+    if "dq_bar" not in cotangents and "dk_bar" not in cotangents:
+        assert not outputs["v_bar"].any(), "without dual scores A-bar, V-bar is exactly zero"
+
+
+def test_bob_without_cotangents_returns_zeros(gen):
+    inputs = make_inputs(gen, (1, 2, 1, 5, 7, 16), torch.float64)
+    outputs = run_kernels(inputs, (), causal=True, scale=0.25)
+    for name, like in zip(BOB, ("q", "k", "v", "do")):
+        assert outputs[name].shape == inputs[like].shape and not outputs[name].any()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layout", ["transposed", "strided"])
+def test_non_contiguous_inputs(gen, layout, causal, small_tiles):
+    shape = (2, 4, 2, 19, 26, 32)
+    inputs = make_inputs(gen, shape, torch.float64, layout=layout)
+    assert not inputs["q"].is_contiguous()
+    outputs = run_kernels(inputs, COTANGENTS, causal=causal, scale=0.2)
+    assert_matches_reference(outputs, inputs, COTANGENTS, causal=causal, scale=0.2, tolerance=1e-10)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[4], SHAPES[5]], ids=lambda s: "N{}M{}d{}".format(*s[3:]))
+def test_float16_no_worse_than_eager(gen, shape, causal, small_tiles):
+    """float16 kernels vs eager autograd through naive attention in float16, both against float64."""
+    inputs = make_inputs(gen, shape, torch.float16)
+    scale = shape[-1] ** -0.5
+    outputs = run_kernels(inputs, COTANGENTS, causal=causal, scale=scale)
+    assert_no_worse_than_eager(outputs, inputs, COTANGENTS, causal=causal, scale=scale)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16], ids=str)
+def test_default_block_sizes(gen, dtype, causal):
+    """The block sizes of configs.choose, not the test tiles: several tiles at N = M = 70."""
+    shape = (1, 2, 1, 70, 70, 64)
+    inputs = make_inputs(gen, shape, dtype)
+    assert configs.choose("bob_rows", 64, dtype).block_m < 70 and configs.choose("bob_cols", 64, dtype).block_n < 70
+    outputs = run_kernels(inputs, COTANGENTS, causal=causal, scale=0.125)
+    if dtype == torch.float64:
+        assert_matches_reference(outputs, inputs, COTANGENTS, causal=causal, scale=0.125, tolerance=1e-10)
+    else:
+        assert_no_worse_than_eager(outputs, inputs, COTANGENTS, causal=causal, scale=0.125)
+
+
+def test_rejects_bad_shapes():
+    q, k = torch.zeros(1, 3, 4, 300), torch.zeros(1, 3, 4, 300)
+    with pytest.raises(ValueError, match="head_dim"):
+        kernels.forward(q, k, k, causal=False, scale=1.0)
+    q, k = torch.zeros(1, 3, 4, 16), torch.zeros(1, 2, 4, 16)
+    with pytest.raises(ValueError, match="kv_heads"):
+        kernels.forward(q, k, k, causal=False, scale=1.0)
+
+
+def test_config_override_is_scoped():
+    before = configs.choose("forward", 64, torch.float16)
+    with configs.override(block_m=16, block_n=16):
+        assert configs.choose("forward", 64, torch.float16).block_m == 16
+    assert configs.choose("forward", 64, torch.float16) == before
