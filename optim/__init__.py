@@ -1,5 +1,7 @@
 """Second-order optimizers and the curvature products they are built on."""
 
+from optim.adahessian import AdaHessian
+from optim.cg import CGResult, cg
 from optim.curvature import (
     AutogradLossHessian,
     CrossEntropyHessian,
@@ -14,15 +16,23 @@ from optim.curvature import (
     power_iteration,
     trace,
 )
+from optim.newton_cg import NewtonCG
+from optim.sophia import SophiaG, SophiaH
 
 __all__ = [
+    "AdaHessian",
     "AutogradLossHessian",
+    "CGResult",
     "CrossEntropyHessian",
     "CurvatureOperator",
     "GGNOperator",
     "HessianOperator",
     "LossHessian",
     "MSEHessian",
+    "NewtonCG",
+    "SophiaG",
+    "SophiaH",
+    "cg",
     "ggnvp",
     "hutchinson_diagonal",
     "hvp",

@@ -1,0 +1,326 @@
+"""Hessian-free optimisation (Martens, 2010): truncated CG on the damped Gauss-Newton or Hessian system."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from optim import _closure
+from optim.cg import _dot, cg, martens_schedule
+from optim.curvature import CurvatureOperator, GGNOperator, HessianOperator, LossHessian, hutchinson_diagonal
+
+Curvature = Literal["auto", "ggn", "hessian"]
+Preconditioner = Literal["hutchinson", "squared_gradients"] | None
+
+#: Settings that belong to the one joint solve; every parameter group must agree on them.
+GLOBAL_SETTINGS = (
+    "damping", "adapt_damping", "curvature", "max_cg_iters", "cg_tol", "progress_tol", "warm_start_decay",
+    "backtrack", "line_search", "preconditioner", "precond_exponent", "precond_beta", "maximize",
+)  # fmt: skip
+ARMIJO_C, ARMIJO_SHRINK, ARMIJO_TRIALS = 1e-2, 0.8, 10  # Martens (2010), section 4.6
+DAMPING_DOWN, DAMPING_UP = 2 / 3, 3 / 2  # Levenberg-Marquardt factors (Martens, 2010, section 4.1)
+
+
+class NewtonCG(Optimizer):
+    r"""Hessian-free (truncated Newton / Gauss-Newton) optimisation in the style of Martens (2010).
+
+    Each step minimises the local quadratic model of the objective :math:`f` (the loss, or minus
+    the loss with ``maximize``) around :math:`\theta`,
+
+    .. math:: q(\delta) = f(\theta) + g^\top \delta + \tfrac12 \delta^\top B \delta, \qquad
+              (B + \lambda I)\, x = -g,
+
+    by truncated (optionally preconditioned) conjugate gradient :func:`optim.cg.cg` on the damped
+    system. :math:`B` is the generalised Gauss-Newton matrix :math:`G = J^\top H_L J` of the model
+    outputs (when the closure returns them) or the Hessian :math:`H`. Per step:
+
+    1. One forward (the closure) and one ``create_graph`` backward; every CG product
+       :math:`Bv` reuses that retained graph, with no new forward.
+    2. CG warm-starts from ``warm_start_decay`` times the last step's final CG iterate and stops
+       on Martens' relative-progress rule, ``max_cg_iters``, a small residual, or
+       :math:`p^\top (B + \lambda I) p \le 0` (negative curvature, possible in Hessian mode:
+       the iterate so far, or a descent step along the first direction, is kept).
+    3. The step is :math:`s = D x` with :math:`D` the learning rate of each parameter's group.
+       CG backtracking (Martens, section 4.6) evaluates :math:`f(\theta + s_i)` at iterates saved at
+       iterations :math:`\lceil 1.3^j \rceil`, from the last backwards while :math:`f` falls.
+    4. Levenberg-Marquardt: with the reduction ratio
+       :math:`\rho = (f(\theta + s) - f(\theta)) / (q(s) - q(0))` (undamped model),
+       :math:`\lambda \leftarrow \tfrac32 \lambda` if :math:`\rho < \tfrac14` and
+       :math:`\lambda \leftarrow \tfrac23 \lambda` if :math:`\rho > \tfrac34`.
+    5. Armijo line search on :math:`\alpha s`: :math:`\alpha \in \{1, 0.8, 0.8^2, \dots\}` (10 trials),
+       the first with :math:`f(\theta + \alpha s) \le f(\theta) + 10^{-2} \alpha\, g^\top s`; none: no step.
+    6. Decoupled weight decay: :math:`\theta \leftarrow (1 - \eta\,\text{wd})\,\theta + \alpha s`.
+
+    Steps 3-5 evaluate the closure again (forwards only, under ``torch.no_grad()``) at trial points:
+    usually one or two forwards per step. With ``backtrack``, ``line_search`` and ``adapt_damping``
+    all off, there are none.
+
+    The closure runs the forward and returns the loss, ``(loss, outputs)`` or a dict (keys
+    ``loss``, ``outputs``, ``targets``, ``loss_hessian``); it does not call ``backward``. The optimizer
+    sets ``p.grad`` to the gradient of the loss. After each step :attr:`stats` holds ``loss``,
+    ``damping`` (used in the step), ``cg_iters``, ``reduction_ratio``, ``step_size`` (:math:`\alpha`),
+    ``negative_curvature`` and ``step_skipped`` (a non-finite loss, gradient or curvature skips
+    the step with a warning and leaves parameters and state unchanged).
+
+    Example:
+        >>> opt = NewtonCG(model.parameters())
+        >>> def closure():
+        ...     logits = model(x)
+        ...     return F.cross_entropy(logits.flatten(0, -2), y.flatten()), logits
+        >>> loss = opt.step(closure)   # GGN with the cross-entropy Hessian of the logits
+
+    Args:
+        params: Parameters or parameter groups. Groups may differ in ``lr`` and ``weight_decay``
+            only; the other settings belong to the one joint solve.
+        lr: Scale :math:`\eta` of the CG step in this group (1 is the Newton step).
+        damping: Initial Tikhonov damping :math:`\lambda`.
+        adapt_damping: Levenberg-Marquardt adaptation of :math:`\lambda` from :math:`\rho`.
+        curvature: ``"ggn"``, ``"hessian"``, or ``"auto"``: GGN when the closure returns outputs.
+        max_cg_iters: Most CG iterations (curvature products) per step.
+        cg_tol: CG stops at relative residual ``cg_tol``.
+        progress_tol: Martens' :math:`\epsilon` of the relative-progress rule (0: off).
+        warm_start_decay: :math:`\zeta` of the warm start :math:`x_0 = \zeta x_{\text{prev}}` (0: cold start).
+        backtrack: CG backtracking over saved iterates.
+        line_search: Armijo backtracking line search.
+        preconditioner: ``None``, ``"squared_gradients"`` (EMA of :math:`g \circ g`) or
+            ``"hutchinson"`` (EMA of the Hutchinson estimate of :math:`|\operatorname{diag} B|`, one
+            product per step); CG then uses :math:`M = (d + \lambda)^{\xi}`.
+        precond_exponent: :math:`\xi` (Martens: 0.75).
+        precond_beta: EMA factor of the preconditioner's diagonal :math:`d`.
+        weight_decay: Decoupled weight decay of this group.
+        maximize: Maximise the loss (minimise :math:`f = -\text{loss}`; the curvature is then
+            :math:`-H` or :math:`-G`, so use Hessian mode for a concave loss).
+        loss_hessian: :math:`H_L` for GGN mode: ``"cross_entropy"`` (mean over the rows of the
+            logits, classes last; rows whose ``targets`` from the closure's dict equal -100 do not
+            count), ``"mse"`` (mean), or any :class:`~optim.curvature.LossHessian`. A
+            ``loss_hessian`` in the closure's dict overrides it for that batch.
+        generator: Source of Hutchinson probes (the global one if ``None``).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1.0,
+        damping: float = 1.0,
+        *,
+        adapt_damping: bool = True,
+        curvature: Curvature = "auto",
+        max_cg_iters: int = 20,
+        cg_tol: float = 1e-10,
+        progress_tol: float = 5e-4,
+        warm_start_decay: float = 0.95,
+        backtrack: bool = True,
+        line_search: bool = True,
+        preconditioner: Preconditioner = None,
+        precond_exponent: float = 0.75,
+        precond_beta: float = 0.95,
+        weight_decay: float = 0.0,
+        maximize: bool = False,
+        loss_hessian: str | LossHessian = "cross_entropy",
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if lr < 0 or damping < 0 or weight_decay < 0:
+            raise ValueError(f"lr, damping and weight_decay must be >= 0, got {lr}, {damping}, {weight_decay}")
+        if curvature not in ("auto", "ggn", "hessian"):
+            raise ValueError(f"curvature must be 'auto', 'ggn' or 'hessian', got {curvature!r}")
+        if preconditioner not in (None, "hutchinson", "squared_gradients"):
+            raise ValueError(f"preconditioner must be None, 'hutchinson' or 'squared_gradients': {preconditioner!r}")
+        if max_cg_iters < 1 or not 0 <= warm_start_decay <= 1 or not 0 <= precond_beta < 1:
+            raise ValueError("need max_cg_iters >= 1, 0 <= warm_start_decay <= 1 and 0 <= precond_beta < 1")
+        defaults = dict(
+            lr=lr, damping=damping, adapt_damping=adapt_damping, curvature=curvature, max_cg_iters=max_cg_iters,
+            cg_tol=cg_tol, progress_tol=progress_tol, warm_start_decay=warm_start_decay, backtrack=backtrack,
+            line_search=line_search, preconditioner=preconditioner, precond_exponent=precond_exponent,
+            precond_beta=precond_beta, weight_decay=weight_decay, maximize=maximize,
+        )  # fmt: skip
+        super().__init__(params, defaults)
+        self.loss_hessian = loss_hessian
+        self.generator = generator
+        self.stats: dict[str, float] = {}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group; it may set its own ``lr`` and ``weight_decay``, but must share the other settings."""
+        super().add_param_group(param_group)
+        first, new = self.param_groups[0], self.param_groups[-1]
+        differ = [key for key in GLOBAL_SETTINGS if new[key] != first[key]]
+        if differ:
+            self.param_groups.pop()
+            raise ValueError(f"NewtonCG solves one system for all groups; groups may not differ in {differ}")
+
+    def _params(self) -> tuple[list[Tensor], list[float], list[float]]:
+        """Parameters that require grad, with their group's learning rate and weight decay."""
+        params, lrs, wds = [], [], []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    params.append(p)
+                    lrs.append(group["lr"])
+                    wds.append(group["weight_decay"])
+        return params, lrs, wds
+
+    @torch.no_grad()
+    def step(self, closure: _closure.Closure | None = None) -> Tensor:  # type: ignore[override]
+        """One Hessian-free step; returns the loss at the parameters before the step.
+
+        Args:
+            closure: Runs the forward and returns the loss, ``(loss, outputs)`` or a dict; required.
+        """
+        settings = self.param_groups[0]
+        params, lrs, wds = self._params()
+        global_state = self.state[self.param_groups[0]["params"][0]]
+        global_state.setdefault("damping", float(settings["damping"]))
+        damping = global_state["damping"]
+        sign = -1.0 if settings["maximize"] else 1.0
+        result = _closure.evaluate(closure, "NewtonCG")
+        loss = result.loss.detach()
+        self.stats = dict(
+            loss=float(loss), damping=damping, cg_iters=0.0, reduction_ratio=math.nan, step_size=0.0,
+            negative_curvature=0.0, step_skipped=1.0,
+        )  # fmt: skip
+        if not _closure.all_finite([loss]):
+            _closure.warn_skipped("NewtonCG", "loss")
+            return loss
+        operator, grads = self._curvature(result, params, settings["curvature"])
+        _closure.store_grads(params, grads)
+        g = tuple(sign * gi for gi in grads)
+        if not _closure.all_finite(g):
+            _closure.warn_skipped("NewtonCG", "gradient")
+            return loss
+
+        def damped(v: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+            with _closure.graph_errors("NewtonCG"):
+                return tuple(sign * bv + damping * vi for bv, vi in zip(operator.matvec(v), v))
+
+        precondition, diagonal = self._preconditioner(settings, operator, params, g, damping)
+        if diagonal is not None and not _closure.all_finite(diagonal):
+            _closure.warn_skipped("NewtonCG", "curvature (preconditioner)")
+            return loss
+        decay = settings["warm_start_decay"]
+        x0 = None
+        if decay > 0 and all("cg_direction" in self.state[p] for p in params):
+            x0 = tuple(decay * self.state[p]["cg_direction"] for p in params)
+        max_iters = settings["max_cg_iters"]
+        solve = cg(
+            damped, tuple(-gi for gi in g), x0, max_iter=max_iters, tol=settings["cg_tol"],
+            progress_tol=settings["progress_tol"], precondition=precondition,
+            save_at=martens_schedule(max_iters) if settings["backtrack"] else (),
+        )  # fmt: skip
+        if solve.status == "breakdown":
+            _closure.warn_skipped("NewtonCG", "curvature (CG breakdown)")
+            return loss
+
+        # The model decrease q(s) - q(0) = g^T s + s^T B s / 2 of each candidate step s = D x.
+        uniform = len(set(lrs)) == 1
+        models = []
+        for it in solve.iterates:
+            if uniform:
+                x_ax = 2 * (it.objective + it.bx)
+                x_x = float(_dot(it.x, it.x))
+                models.append(lrs[0] * -it.bx + 0.5 * lrs[0] ** 2 * (x_ax - damping * x_x))
+            else:
+                s = tuple(lr * xi for lr, xi in zip(lrs, it.x))
+                with _closure.graph_errors("NewtonCG"):
+                    s_bs = sign * float(_dot(s, operator.matvec(s)))
+                models.append(float(_dot(g, s)) + 0.5 * s_bs)
+        del result, operator, damped, precondition  # free the graph before the parameters move
+
+        chosen, new_damping, ratio, alpha = self._search(
+            settings, closure, params, lrs, g, solve, models, float(loss), sign
+        )
+        for p, lr, wd, xi in zip(params, lrs, wds, solve.iterates[chosen].x):
+            p.mul_(1 - lr * wd).add_(xi, alpha=alpha * lr)
+        for p, xi in zip(params, solve.x):
+            self.state[p]["cg_direction"] = xi.clone()
+        if diagonal is not None:
+            for p, d in zip(params, diagonal):
+                self.state[p]["precond_diagonal"] = d
+        global_state["damping"] = new_damping
+        global_state["step"] = global_state.get("step", 0) + 1
+        self.stats.update(
+            cg_iters=float(solve.iterations), reduction_ratio=ratio, step_size=alpha, step_skipped=0.0,
+            negative_curvature=float(solve.status == "negative_curvature"),
+        )  # fmt: skip
+        return loss
+
+    def _curvature(
+        self, result: _closure.ClosureResult, params: list[Tensor], mode: Curvature
+    ) -> tuple[CurvatureOperator, tuple[Tensor, ...]]:
+        """The curvature operator and the gradient of the loss, from one create_graph backward."""
+        if mode == "ggn" and result.outputs is None:
+            raise RuntimeError("NewtonCG(curvature='ggn') needs the closure to return (loss, outputs)")
+        with torch.enable_grad(), _closure.graph_errors("NewtonCG"):
+            if mode == "ggn" or (mode == "auto" and result.outputs is not None):
+                loss_hessian = _closure.loss_hessian_for(self.loss_hessian, result)
+                operator = GGNOperator(result.outputs, params, loss_hessian)
+                grads = _closure.gradients(result.loss, params, retain_graph=True)
+                return operator, tuple(g.detach() for g in grads)
+            operator = HessianOperator(result.loss, params)
+            return operator, operator.gradient
+
+    def _preconditioner(self, settings, operator, params, g, damping):
+        r""":math:`r \mapsto r / (d + \lambda)^\xi` and the updated diagonal :math:`d`, or ``(None, None)``."""
+        kind = settings["preconditioner"]
+        if kind is None:
+            return None, None
+        if kind == "squared_gradients":
+            estimate = tuple(gi * gi for gi in g)
+        else:
+            with _closure.graph_errors("NewtonCG"):
+                estimate = tuple(d.abs() for d in hutchinson_diagonal(operator, generator=self.generator))
+        beta = settings["precond_beta"]
+        diagonal = tuple(
+            beta * self.state[p]["precond_diagonal"] + (1 - beta) * e if "precond_diagonal" in self.state[p] else e
+            for p, e in zip(params, estimate)
+        )
+        scale = tuple((d + damping) ** settings["precond_exponent"] for d in diagonal)
+        return (lambda r: tuple(ri / si for ri, si in zip(r, scale))), diagonal
+
+    def _search(self, settings, closure, params, lrs, g, solve, models, f0, sign):
+        """CG backtracking, damping adaptation and Armijo line search; returns (iterate, damping, rho, alpha).
+
+        Trial points are evaluated in place; the parameters are restored exactly before returning.
+        """
+        damping = self.state[self.param_groups[0]["params"][0]]["damping"]
+        needs_f = settings["backtrack"] or settings["line_search"] or settings["adapt_damping"]
+        chosen = len(solve.iterates) - 1
+        if not needs_f:
+            return chosen, damping, math.nan, 1.0
+        origin = [p.clone() for p in params]
+
+        def f(alpha: float, index: int) -> float:
+            for p, p0, lr, xi in zip(params, origin, lrs, solve.iterates[index].x):
+                p.copy_(p0 + (alpha * lr) * xi)
+            value = sign * float(_closure.evaluate(closure, "NewtonCG", graph=False).loss)
+            return value if math.isfinite(value) else math.inf
+
+        best = f(1.0, chosen)
+        while settings["backtrack"] and chosen > 0:
+            previous = f(1.0, chosen - 1)
+            if previous >= best:
+                break
+            chosen, best = chosen - 1, previous
+        model = models[chosen]
+        ratio = (best - f0) / model if model < 0 else (0.0 if best <= f0 else -math.inf)
+        if settings["adapt_damping"]:
+            if ratio < 0.25:
+                damping *= DAMPING_UP
+            elif ratio > 0.75:
+                damping *= DAMPING_DOWN
+        alpha = 1.0
+        if settings["line_search"]:
+            slope = float(sum(lr * (gi * xi).sum() for lr, gi, xi in zip(lrs, g, solve.iterates[chosen].x)))
+            value, trials = best, 1
+            while value > f0 + ARMIJO_C * alpha * slope:
+                if trials == ARMIJO_TRIALS:
+                    alpha = 0.0
+                    break
+                alpha *= ARMIJO_SHRINK
+                value, trials = f(alpha, chosen), trials + 1
+        for p, p0 in zip(params, origin):
+            p.copy_(p0)
+        return chosen, damping, ratio, alpha

@@ -1,0 +1,621 @@
+"""NewtonCG, SophiaH, SophiaG and AdaHessian against closed forms, scipy and hand-written updates, in float64."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import optim
+from optim import AdaHessian, NewtonCG, SophiaG, SophiaH, cg
+from tests.models import MLP, TinyTransformer
+
+DTYPE = torch.float64
+EXACT = dict(damping=0.0, adapt_damping=False, backtrack=False, line_search=False, warm_start_decay=0.0)
+
+
+def spd(n: int, gen: torch.Generator, *, shift: float = 0.5) -> Tensor:
+    """A random symmetric positive definite matrix with eigenvalues at least ``shift``."""
+    q = torch.randn(n, n, generator=gen, dtype=DTYPE)
+    return q @ q.T / n + shift * torch.eye(n, dtype=DTYPE)
+
+
+def quadratic(a: Tensor, b: Tensor, params: list[Tensor]) -> Tensor:
+    r""":math:`\tfrac12 \theta^\top A \theta - b^\top \theta` of the concatenated parameters."""
+    theta = torch.cat([p.reshape(-1) for p in params])
+    return 0.5 * theta @ a @ theta - b @ theta
+
+
+def split(theta: Tensor, sizes: tuple[int, ...]) -> list[Tensor]:
+    return [t.clone().requires_grad_() for t in torch.split(theta, list(sizes))]
+
+
+# --------------------------------------------------------------------------------------------- CG
+
+
+def test_cg_solves_spd_system_with_and_without_preconditioner(gen):
+    a, b = spd(9, gen), torch.randn(9, generator=gen, dtype=DTYPE)
+    expected = torch.linalg.solve(a, b)
+
+    def matvec(v):
+        y = a @ torch.cat(v)
+        return (y[:4], y[4:])
+
+    for precondition in (None, lambda r: tuple(ri / 2.0 for ri in r)):
+        result = cg(matvec, (b[:4], b[4:]), max_iter=50, tol=1e-13, precondition=precondition)
+        assert result.status == "converged" and result.iterations <= 12
+        torch.testing.assert_close(torch.cat(result.x), expected, rtol=1e-10, atol=1e-12)
+        x = torch.cat(result.x)
+        assert result.objective == pytest.approx(float(0.5 * x @ a @ x - b @ x), rel=1e-10)
+
+
+def test_cg_warm_start_saved_iterates_and_progress_rule(gen):
+    a, b = spd(40, gen, shift=1e-3), torch.randn(40, generator=gen, dtype=DTYPE)
+    matvec = lambda v: (a @ v[0],)  # noqa: E731
+    result = cg(matvec, (b,), max_iter=200, tol=0.0, progress_tol=5e-2, save_at={1, 2, 5, 9})
+    assert result.status == "progress" and 10 < result.iterations < 200
+    assert [it.iteration for it in result.iterates] == [1, 2, 5, 9, result.iterations]
+    objectives = [it.objective for it in result.iterates]
+    assert all(x > y for x, y in zip(objectives, objectives[1:])), "phi must fall along CG"
+    warm = cg(matvec, (b,), result.x, max_iter=200, tol=1e-12)
+    torch.testing.assert_close(warm.x[0], torch.linalg.solve(a, b), rtol=1e-8, atol=1e-10)
+    bad = cg(matvec, (b,), (-50 * torch.linalg.solve(a, b),), max_iter=0)
+    assert bad.objective == 0.0 and not bad.x[0].any(), "a warm start worse than zero restarts from zero"
+
+
+def test_cg_negative_curvature_and_breakdown(gen):
+    a = torch.diag(torch.tensor([2.0, -1.0, 3.0], dtype=DTYPE))
+    b = torch.tensor([1.0, 1.0, 1.0], dtype=DTYPE)
+    result = cg(lambda v: (a @ v[0],), (b,), max_iter=10)
+    assert result.status == "negative_curvature" and result.iterations == 1
+    assert result.objective < 0, "the first negative-curvature step still decreases phi"
+    nan = cg(lambda v: (v[0] * math.nan,), (b,), max_iter=10)
+    assert nan.status == "breakdown" and not nan.x[0].any()
+
+
+# -------------------------------------------------------------------------------------- NewtonCG
+
+
+@pytest.mark.parametrize("maximize", [False, True])
+def test_newton_cg_solves_strictly_convex_quadratic_in_one_step(gen, maximize):
+    n, sizes = 7, (3, 4)
+    a, b = spd(n, gen), torch.randn(n, generator=gen, dtype=DTYPE)
+    params = split(torch.randn(n, generator=gen, dtype=DTYPE), sizes)
+    opt = NewtonCG(params, curvature="hessian", max_cg_iters=n, cg_tol=1e-14, maximize=maximize, **EXACT)
+    sign = -1 if maximize else 1
+    opt.step(lambda: sign * quadratic(a, b, params))
+    torch.testing.assert_close(torch.cat([p.detach() for p in params]), torch.linalg.solve(a, b), rtol=1e-9, atol=1e-11)
+    assert 1 <= opt.stats["cg_iters"] <= n and opt.stats["step_skipped"] == 0
+
+
+def test_newton_cg_group_learning_rates_scale_the_damped_newton_step(gen):
+    n, damping = 6, 0.3
+    a, b = spd(n, gen), torch.randn(n, generator=gen, dtype=DTYPE)
+    theta = torch.randn(n, generator=gen, dtype=DTYPE)
+    params = split(theta, (2, 4))
+    settings = {**EXACT, "damping": damping}
+    opt = NewtonCG([{"params": params[:1]}, {"params": params[1:], "lr": 0.25}], curvature="hessian",
+                   max_cg_iters=n, cg_tol=1e-14, **{k: v for k, v in settings.items()})  # fmt: skip
+    opt.step(lambda: quadratic(a, b, params))
+    newton = torch.linalg.solve(a + damping * torch.eye(n, dtype=DTYPE), b - a @ theta)
+    expected = theta + torch.cat([newton[:2], 0.25 * newton[2:]])
+    torch.testing.assert_close(torch.cat([p.detach() for p in params]), expected, rtol=1e-9, atol=1e-11)
+    with pytest.raises(ValueError, match="may not differ"):
+        opt.add_param_group({"params": [torch.zeros(1, requires_grad=True)], "damping": 2.0})
+
+
+def logistic_data(gen, rows=60, features=3):
+    x = torch.randn(rows, features, generator=gen, dtype=DTYPE)
+    truth = torch.tensor([1.5, -2.0, 0.5], dtype=DTYPE)
+    y = (torch.rand(rows, generator=gen, dtype=DTYPE) < torch.sigmoid(x @ truth)).to(DTYPE)
+    return x, y
+
+
+def test_newton_cg_logistic_regression_matches_scipy(gen):
+    """Binary logistic regression with an L2 penalty (strictly convex), exact Hessian."""
+    from scipy.optimize import minimize
+
+    x, y = logistic_data(gen)
+    reg = 1e-2
+    xn, yn = x.numpy(), y.numpy()
+
+    def objective(v):  # written by hand in NumPy: an independent reference
+        w, c = v[:-1], v[-1]
+        z = xn @ w + c
+        loss = np.mean(np.logaddexp(0, z) - yn * z) + 0.5 * reg * w @ w
+        r = (1 / (1 + np.exp(-z)) - yn) / len(yn)
+        return loss, np.concatenate([xn.T @ r + reg * w, [r.sum()]])
+
+    reference = minimize(objective, np.zeros(4), jac=True, method="BFGS", options={"gtol": 1e-12}).x
+    w = torch.zeros(3, dtype=DTYPE, requires_grad=True)
+    c = torch.zeros(1, dtype=DTYPE, requires_grad=True)
+    opt = NewtonCG([w, c])
+
+    def closure():
+        return F.binary_cross_entropy_with_logits(x @ w + c, y) + 0.5 * reg * w @ w
+
+    for _ in range(20):  # the initial damping (1) dominates this small curvature for the first steps
+        opt.step(closure)
+    np.testing.assert_allclose(torch.cat([w, c]).detach().numpy(), reference, rtol=1e-6, atol=1e-8)
+
+
+def test_newton_cg_softmax_regression_with_ggn_matches_scipy(gen):
+    """Multinomial logistic regression; the closure returns logits, so NewtonCG uses the cross-entropy GGN."""
+    from scipy.optimize import minimize
+
+    x = torch.randn(50, 3, generator=gen, dtype=DTYPE)
+    y = torch.randint(0, 3, (50,), generator=gen)
+    xn, onehot = x.numpy(), F.one_hot(y, 3).to(DTYPE).numpy()
+
+    def objective(v):
+        z = xn @ v.reshape(3, 3)
+        z = z - z.max(axis=1, keepdims=True)
+        logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+        return -np.mean((onehot * logp).sum(axis=1)), (xn.T @ (np.exp(logp) - onehot) / len(xn)).reshape(-1)
+
+    reference = minimize(objective, np.zeros(9), jac=True, method="BFGS", options={"gtol": 1e-12})
+    weight = torch.zeros(3, 3, dtype=DTYPE, requires_grad=True)
+    opt = NewtonCG([weight])
+
+    def closure():
+        logits = x @ weight
+        return F.cross_entropy(logits, y), logits
+
+    for _ in range(20):
+        opt.step(closure)
+    # The softmax is invariant to adding a constant to each row's logits, so compare probabilities.
+    probs = torch.softmax(x @ weight.detach(), dim=-1).numpy()
+    expected = np.exp(xn @ reference.x.reshape(3, 3))
+    np.testing.assert_allclose(probs, expected / expected.sum(axis=1, keepdims=True), rtol=1e-6, atol=1e-9)
+    assert opt.stats["loss"] == pytest.approx(reference.fun, rel=1e-9)
+
+
+def test_newton_cg_converges_on_rosenbrock():
+    theta = torch.tensor([-1.2, 1.0], dtype=DTYPE, requires_grad=True)
+    opt = NewtonCG([theta], curvature="hessian")
+    closure = lambda: (1 - theta[0]) ** 2 + 100 * (theta[1] - theta[0] ** 2) ** 2  # noqa: E731
+    for _ in range(60):
+        opt.step(closure)
+    torch.testing.assert_close(theta.detach(), torch.ones(2, dtype=DTYPE), rtol=0, atol=1e-6)
+
+
+def test_newton_cg_follows_negative_curvature(gen):
+    a = torch.diag(torch.tensor([1.0, -2.0, 3.0], dtype=DTYPE))
+    theta = torch.tensor([0.5, 0.1, -0.3], dtype=DTYPE, requires_grad=True)
+    opt = NewtonCG([theta], curvature="hessian", damping=0.5)
+    closure = lambda: 0.5 * theta @ a @ theta + 0.25 * (theta**4).sum()  # noqa: E731
+    before = closure().item()
+    opt.step(closure)
+    assert opt.stats["negative_curvature"] == 1.0 and closure().item() < before
+
+
+def test_newton_cg_one_forward_with_graph_per_step():
+    torch.manual_seed(0)
+    model = MLP([3, 5, 2])
+    x, y = torch.randn(8, 3, dtype=DTYPE), torch.randint(0, 2, (8,))
+    calls = []
+
+    def closure():
+        calls.append(torch.is_grad_enabled())
+        logits = model(x)
+        return F.cross_entropy(logits, y), logits
+
+    opt = NewtonCG(model.parameters())
+    for _ in range(3):
+        opt.step(closure)
+    assert sum(calls) == 3 and len(calls) > 3, "one forward with a graph per step; trial points without"
+    assert model[0].weight.grad is not None
+
+
+# ------------------------------------------------------------------------- hand-written updates
+
+
+def diagonal_problem(gen):
+    """``f = sum(a * theta^2 / 2 + c * theta)`` over two parameters: with Rademacher probes z * Hz = a exactly."""
+    a = [torch.rand(3, generator=gen, dtype=DTYPE) * 4 - 1, torch.rand(2, 2, generator=gen, dtype=DTYPE) + 0.5]
+    c = [torch.randn(3, generator=gen, dtype=DTYPE), torch.randn(2, 2, generator=gen, dtype=DTYPE)]
+    params = [torch.randn(shape, generator=gen, dtype=DTYPE).requires_grad_() for shape in ((3,), (2, 2))]
+
+    def closure():
+        return sum((ai * p**2 / 2 + ci * p).sum() for ai, ci, p in zip(a, c, params))
+
+    return a, c, params, closure
+
+
+def test_sophia_h_update_matches_hand_formula(gen):
+    a, c, params, closure = diagonal_problem(gen)
+    lrs, (beta1, beta2), rho, wd, eps, k = (0.1, 0.03), (0.9, 0.8), 0.5, 0.2, 1e-15, 2
+    theta = [p.detach().clone() for p in params]
+    m = [torch.zeros_like(t) for t in theta]
+    h = [torch.zeros_like(t) for t in theta]
+    groups = [{"params": [params[0]], "lr": lrs[0]}, {"params": [params[1]], "lr": lrs[1]}]
+    opt = SophiaH(groups, betas=(beta1, beta2), rho=rho, weight_decay=wd, eps=eps, update_period=k,
+                  distribution="rademacher")  # fmt: skip
+    for t in range(5):
+        opt.step(closure)
+        unclipped, total = 0, 0
+        for i in range(2):
+            g = a[i] * theta[i] + c[i]
+            m[i] = beta1 * m[i] + (1 - beta1) * g
+            if t % k == 0:
+                h[i] = beta2 * h[i] + (1 - beta2) * a[i]
+            theta[i] = theta[i] * (1 - lrs[i] * wd)
+            ratio = m[i] / torch.clamp(rho * h[i], min=eps)
+            unclipped, total = unclipped + int((ratio.abs() < 1).sum()), total + ratio.numel()
+            theta[i] = theta[i] - lrs[i] * ratio.clamp(-1, 1)
+        for p, expected in zip(params, theta):
+            torch.testing.assert_close(p.detach(), expected, rtol=1e-13, atol=1e-15)
+        assert opt.stats["unclipped_fraction"] == pytest.approx(unclipped / total)
+        assert opt.stats["hessian_refreshed"] == float(t % k == 0)
+
+
+def test_sophia_g_update_matches_hand_formula(gen):
+    """Softmax regression: g and the Gauss-Newton-Bartlett estimate B * g_hat^2 written out for a linear model."""
+    x = torch.randn(6, 3, generator=gen, dtype=DTYPE)
+    y = torch.randint(0, 4, (6,), generator=gen)
+    weight = torch.randn(3, 4, generator=gen, dtype=DTYPE, requires_grad=True)
+    lr, (beta1, beta2), rho, wd, seed = 0.05, (0.9, 0.7), 0.3, 0.1, 1234
+    opt = SophiaG([weight], lr=lr, betas=(beta1, beta2), rho=rho, weight_decay=wd, update_period=1,
+                  generator=torch.Generator().manual_seed(seed))  # fmt: skip
+    samples = torch.Generator().manual_seed(seed)
+    theta, m, h = weight.detach().clone(), torch.zeros(3, 4, dtype=DTYPE), torch.zeros(3, 4, dtype=DTYPE)
+    for _ in range(3):
+        probs = torch.softmax(x @ theta, dim=-1)
+        sampled = torch.multinomial(probs.float(), 1, generator=samples).squeeze(-1)
+        g = x.T @ (probs - F.one_hot(y, 4)) / 6
+        g_hat = x.T @ (probs - F.one_hot(sampled, 4)) / 6
+        m = beta1 * m + (1 - beta1) * g
+        h = beta2 * h + (1 - beta2) * 6 * g_hat**2
+        theta = theta * (1 - lr * wd) - lr * (m / torch.clamp(rho * h, min=1e-15)).clamp(-1, 1)
+
+        def closure():
+            logits = x @ weight
+            return F.cross_entropy(logits, y), logits
+
+        opt.step(closure)
+        torch.testing.assert_close(weight.detach(), theta, rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("power", [1.0, 0.5])
+def test_adahessian_update_matches_hand_formula(gen, power):
+    a, c, params, closure = diagonal_problem(gen)
+    lrs, (beta1, beta2), eps, wd = (0.1, 0.05), (0.8, 0.9), 1e-4, 0.1
+    theta = [p.detach().clone() for p in params]
+    m = [torch.zeros_like(t) for t in theta]
+    v = [torch.zeros_like(t) for t in theta]
+    groups = [{"params": [params[0]], "lr": lrs[0]}, {"params": [params[1]], "lr": lrs[1]}]
+    opt = AdaHessian(groups, betas=(beta1, beta2), eps=eps, weight_decay=wd, hessian_power=power)
+    for t in range(1, 4):
+        opt.step(closure)
+        for i in range(2):
+            g = a[i] * theta[i] + c[i]
+            m[i] = beta1 * m[i] + (1 - beta1) * g
+            v[i] = beta2 * v[i] + (1 - beta2) * a[i] ** 2
+            denom = (v[i] / (1 - beta2**t)).sqrt() ** power + eps
+            theta[i] = theta[i] * (1 - lrs[i] * wd) - lrs[i] * m[i] / (1 - beta1**t) / denom
+        for p, expected in zip(params, theta):
+            torch.testing.assert_close(p.detach(), expected, rtol=1e-13, atol=1e-15)
+    assert opt.stats["hessian_trace"] == pytest.approx(float(sum(ai.sum() for ai in a)))
+
+
+# ----------------------------------------------------------------------------------- plain loops
+
+
+def mlp_problem(seed=0):
+    torch.manual_seed(seed)
+    model = MLP([4, 6, 3])
+    x, y = torch.randn(10, 4, dtype=DTYPE), torch.randint(0, 3, (10,))
+    return model, x, y
+
+
+def test_sophia_plain_loop_with_update_hessian_equals_closure_loop():
+    results = []
+    for mode in ("closure", "plain"):
+        model, x, y = mlp_problem()
+        torch.manual_seed(1)
+        opt = SophiaH(model.parameters(), lr=1e-2, update_period=3)
+        for step in range(7):
+            if mode == "closure":
+                opt.step(lambda: F.cross_entropy(model(x), y))
+                continue
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            if step % 3 == 0:
+                opt.update_hessian(loss)
+            loss.backward()
+            opt.step()
+            assert opt.stats["hessian_refreshed"] == float(step % 3 == 0)
+        results.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    torch.testing.assert_close(results[0], results[1], rtol=1e-12, atol=1e-14)
+
+
+def test_sophia_g_plain_loop_and_non_refresh_steps_need_only_the_loss():
+    model, x, y = mlp_problem()
+    opt = SophiaG(model.parameters(), lr=1e-2, update_period=2)
+    logits = model(x)
+    opt.update_hessian(logits)
+    F.cross_entropy(logits, y).backward()
+    opt.step()
+    assert opt.stats["hessian_refreshed"] == 1.0
+    assert any(s["hessian"].any() for s in opt.state.values() if "hessian" in s)
+    opt = SophiaG(model.parameters(), update_period=2)
+    opt.step(lambda: (F.cross_entropy(model(x), y), model(x)))
+    opt.step(lambda: F.cross_entropy(model(x), y))  # no refresh: the loss alone is enough
+    with pytest.raises(RuntimeError, match="logits"):
+        opt.step(lambda: F.cross_entropy(model(x), y))
+
+
+def test_sophia_non_refresh_steps_take_one_plain_gradient(monkeypatch):
+    import optim.sophia
+
+    built = []
+    real = optim.sophia.HessianOperator
+    monkeypatch.setattr(optim.sophia, "HessianOperator", lambda *args: built.append(1) or real(*args))
+    model, x, y = mlp_problem()
+    opt = SophiaH(model.parameters(), update_period=4)
+    for _ in range(8):
+        opt.step(lambda: F.cross_entropy(model(x), y))
+    assert len(built) == 2
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_adahessian_plain_loop_equals_closure_loop():
+    results = []
+    for mode in ("closure", "plain"):
+        model, x, y = mlp_problem()
+        torch.manual_seed(1)
+        opt = AdaHessian(model.parameters(), lr=0.05)
+        for _ in range(4):
+            if mode == "closure":
+                opt.step(lambda: F.cross_entropy(model(x), y))
+            else:
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward(create_graph=True)
+                opt.step()
+                assert all(p.grad.grad_fn is None for p in model.parameters())
+        results.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    torch.testing.assert_close(results[0], results[1], rtol=1e-12, atol=1e-14)
+
+
+# ---------------------------------------------------------------------------------- clear errors
+
+
+def test_clear_errors_for_missing_or_wrong_closures():
+    model, x, y = mlp_problem()
+    for opt in (NewtonCG(model.parameters()), SophiaH(model.parameters()), AdaHessian(model.parameters())):
+        with pytest.raises(TypeError, match="closure returned str"):
+            opt.step(lambda: "loss")
+        with pytest.raises(TypeError, match="one-element"):
+            opt.step(lambda: F.cross_entropy(model(x), y, reduction="none"))
+        with pytest.raises(RuntimeError, match="no autograd graph"):
+            opt.step(lambda: F.cross_entropy(model(x), y).detach())
+
+        def calls_backward():
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+
+        if not isinstance(opt, SophiaH):  # a SophiaH step off the refresh schedule would not notice
+            with pytest.raises(RuntimeError, match="must not call backward"):
+                opt.step(calls_backward)
+    with pytest.raises(RuntimeError, match="needs a closure"):
+        NewtonCG(model.parameters()).step()
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        AdaHessian(model.parameters()).step()
+    with pytest.raises(RuntimeError, match="curvature='ggn'"):
+        NewtonCG(model.parameters(), curvature="ggn").step(lambda: F.cross_entropy(model(x), y))
+
+
+# --------------------------------------------------------------------------- state and guards
+
+
+def make(name: str, params):
+    return {
+        "newton_ggn": lambda: NewtonCG(params, preconditioner="hutchinson", max_cg_iters=5),
+        "newton_hessian": lambda: NewtonCG(
+            params, curvature="hessian", preconditioner="squared_gradients", max_cg_iters=5
+        ),
+        "sophia_h": lambda: SophiaH(params, lr=1e-2, update_period=3),
+        "sophia_g": lambda: SophiaG(params, lr=1e-2, update_period=3),
+        "adahessian": lambda: AdaHessian(params, lr=1e-2),
+    }[name]()
+
+
+NAMES = ["newton_ggn", "newton_hessian", "sophia_h", "sophia_g", "adahessian"]
+
+
+def flat(model) -> Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_dict_round_trip_continues_bit_for_bit(name):
+    model, x, y = mlp_problem()
+
+    def closure_for(m):
+        def closure():
+            logits = m(x)
+            return F.cross_entropy(logits, y), logits
+
+        return closure
+
+    start = copy.deepcopy(model)
+    torch.manual_seed(2)
+    opt = make(name, model.parameters())
+    for _ in range(8):
+        opt.step(closure_for(model))
+    through, stats = flat(model), dict(opt.stats)
+
+    torch.manual_seed(2)
+    first = make(name, start.parameters())
+    for _ in range(4):
+        first.step(closure_for(start))
+    buffer = io.BytesIO()
+    torch.save({"model": start.state_dict(), "opt": first.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, map_location="cpu")
+    resumed = copy.deepcopy(start)
+    resumed.load_state_dict(saved["model"])
+    second = make(name, resumed.parameters())
+    second.load_state_dict(saved["opt"])
+    for _ in range(4):
+        second.step(closure_for(resumed))
+    assert torch.equal(flat(resumed), through)
+    assert second.stats == stats or all(
+        a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(second.stats.values(), stats.values())
+    )
+
+
+class NaNCurvature(torch.autograd.Function):
+    """Identity whose backward is NaN: inside a first derivative it poisons only the second."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * math.nan
+
+
+class Square(torch.autograd.Function):
+    """``x^2`` with a finite gradient ``2x`` whose own derivative is NaN."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * 2 * NaNCurvature.apply(x)
+
+
+GGN_CURVATURE = {("sophia_g", "curvature"), ("newton_ggn", "curvature")}  # Square poisons H, not G: tested below
+
+
+def poisoned_closure(model, x, y, cause):
+    def closure():
+        logits = model(x)
+        loss = F.cross_entropy(logits, y)
+        w = model[0].weight
+        if cause == "loss":
+            loss = loss + math.inf
+        elif cause == "gradient":
+            loss = loss + torch.sqrt(w - w.detach()).sum()  # value 0, gradient inf
+        elif cause == "curvature":
+            loss = loss + 1e-3 * Square.apply(w).sum()
+        return loss, logits
+
+    return closure
+
+
+@pytest.mark.parametrize(
+    "name, cause",
+    [(n, c) for n in NAMES for c in ("loss", "gradient", "curvature") if (n, c) not in GGN_CURVATURE],
+)
+def test_non_finite_step_is_skipped_with_warning_and_state_kept(name, cause):
+    model, x, y = mlp_problem()
+    opt = make(name, model.parameters())
+    good = poisoned_closure(model, x, y, None)
+    for _ in range(3):  # state exists and the next step (the 4th) refreshes Sophia's estimate
+        opt.step(good)
+    params, state = flat(model), copy.deepcopy(opt.state_dict())
+    with pytest.warns(RuntimeWarning, match=f"non-finite {cause}"):
+        opt.step(poisoned_closure(model, x, y, cause))
+    assert torch.equal(flat(model), params)
+    assert opt.stats["step_skipped"] == 1.0
+    after = opt.state_dict()
+    assert after["param_groups"] == state["param_groups"]
+    for key, values in state["state"].items():
+        for field, value in values.items():
+            new = after["state"][key][field]
+            same = torch.equal(value, new) if isinstance(value, Tensor) else value == new
+            assert same, f"state {key}/{field} changed"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step(good)
+    assert opt.stats["step_skipped"] == 0.0 and not torch.equal(flat(model), params)
+
+
+# ------------------------------------------------------------------------- a tiny transformer
+
+
+def lm_batch():
+    gen = torch.Generator().manual_seed(3)
+    start = torch.randint(0, 16, (6, 1), generator=gen)
+    tokens = (start + torch.arange(13) * torch.randint(1, 3, (6, 1), generator=gen)) % 16
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+@pytest.mark.parametrize(
+    "name, factory, steps",
+    [
+        ("NewtonCG", lambda p: NewtonCG(p), 4),
+        ("NewtonCG-hessian", lambda p: NewtonCG(p, curvature="hessian"), 4),
+        ("SophiaG", lambda p: SophiaG(p, lr=2e-2), 15),
+        ("SophiaH", lambda p: SophiaH(p, lr=2e-2), 15),
+        ("AdaHessian", lambda p: AdaHessian(p, lr=5e-2), 15),
+    ],
+)
+def test_each_optimizer_trains_a_tiny_transformer(name, factory, steps):
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab=16, d_model=16, heads=2, kv_heads=1, layers=2)
+    x, y = lm_batch()
+    opt = factory(model.parameters())
+
+    def closure():
+        logits = model(x)
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten()), logits
+
+    losses = [float(opt.step(closure)) for _ in range(steps)]
+    with torch.no_grad():
+        final = closure()[0].item()
+    assert all(math.isfinite(v) for v in opt.stats.values() if isinstance(v, float) and v == v)
+    assert final < 0.6 * losses[0], f"{name}: loss {losses[0]:.3f} -> {final:.3f}"
+
+
+def test_newton_cg_skips_non_finite_gauss_newton_products():
+    model, x, y = mlp_problem()
+    opt = NewtonCG(model.parameters())
+    params = flat(model)
+
+    def closure():
+        logits = model(x)
+        return {"loss": F.cross_entropy(logits, y), "outputs": logits, "loss_hessian": lambda z, u: u * math.nan}
+
+    with pytest.warns(RuntimeWarning, match="non-finite curvature"):
+        opt.step(closure)
+    assert torch.equal(flat(model), params) and opt.stats["step_skipped"] == 1.0
+
+
+def test_closure_dict_targets_mask_ignored_rows_of_the_gauss_newton_matrix():
+    model, x, y = mlp_problem()
+    targets = y.clone()
+    targets[::3] = -100
+    results = []
+    for per_batch in (True, False):
+        net = copy.deepcopy(model)
+        loss_hessian = "cross_entropy" if per_batch else optim.CrossEntropyHessian(targets)
+        opt = NewtonCG(net.parameters(), loss_hessian=loss_hessian, **EXACT)
+
+        def closure():
+            logits = net(x)
+            loss = F.cross_entropy(logits, targets)
+            return {"loss": loss, "outputs": logits, "targets": targets} if per_batch else (loss, logits)
+
+        opt.step(closure)
+        results.append(flat(net))
+    assert torch.equal(results[0], results[1]) and not torch.equal(results[0], flat(model))
+    with pytest.raises(TypeError, match="unknown keys"):
+        opt.step(lambda: {"loss": F.cross_entropy(model(x), y), "logits": model(x)})
