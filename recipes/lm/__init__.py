@@ -1,0 +1,1 @@
+"""Long-context language-model pretraining on flashbob attention (``python -m recipes.lm``)."""

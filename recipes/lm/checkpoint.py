@@ -1,0 +1,84 @@
+"""Atomic training checkpoints and the random-number-generator states that make resuming exact.
+
+A checkpoint is written to a temporary file in the target folder, flushed to disk, and renamed
+over its final name (``step_00001000.pt``); a process killed mid-write leaves at most a stray
+temporary file, never a broken checkpoint, and :func:`latest` only ever sees finished ones.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+NAME = re.compile(r"step_(\d{8})\.pt")
+
+
+def rng_state() -> dict:
+    """States of Python's, NumPy's and torch's global generators (and CUDA's, if present)."""
+    numpy_state = np.random.get_state(legacy=False)
+    numpy_state["state"]["key"] = numpy_state["state"]["key"].tolist()
+    return {
+        "python": random.getstate(),
+        "numpy": numpy_state,
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` returned."""
+    random.setstate(state["python"])
+    numpy_state = dict(state["numpy"])
+    numpy_state["state"] = {**numpy_state["state"], "key": np.asarray(numpy_state["state"]["key"], dtype=np.uint32)}
+    np.random.set_state(numpy_state)
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(directory: Path, step: int, state: dict, keep: int = 0) -> Path:
+    """Write ``state`` atomically as ``directory/step_<step>.pt``; keep only the newest ``keep`` (0: all)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"step_{step:08d}.pt"
+    temporary = directory / f".{final.name}.tmp-{os.getpid()}"
+    with open(temporary, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, final)
+    _fsync_dir(directory)
+    if keep > 0:
+        for old in checkpoints(directory)[:-keep]:
+            old.unlink()
+    return final
+
+
+def checkpoints(directory: Path) -> list[Path]:
+    """Finished checkpoints in ``directory``, oldest step first (temporary files are not among them)."""
+    if not directory.is_dir():
+        return []
+    return sorted((p for p in directory.iterdir() if NAME.fullmatch(p.name)), key=lambda p: p.name)
+
+
+def latest(directory: Path) -> Path | None:
+    """The finished checkpoint with the highest step, or ``None``."""
+    found = checkpoints(directory)
+    return found[-1] if found else None
+
+
+def load(path: Path) -> dict:
+    """A checkpoint's state, tensors on the CPU (``weights_only``: no arbitrary code is unpickled)."""
+    return torch.load(path, map_location="cpu", weights_only=True)

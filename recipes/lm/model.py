@@ -1,0 +1,174 @@
+"""Decoder-only transformer whose attention runs through :func:`flashbob.attention`.
+
+Pre-norm blocks (RMSNorm or LayerNorm), rotary position embeddings, grouped-query attention,
+a GELU or SwiGLU MLP and optionally tied input/output embeddings. Every operation is
+differentiable twice, so Hessian-vector and Gauss-Newton products of the loss are exact: this is
+what lets the second-order optimizers of :mod:`optim` train it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import flashbob
+
+
+class RMSNorm(nn.Module):
+    r""":math:`y = x / \sqrt{\mathrm{mean}(x^2) + \epsilon} \cdot w`, statistics in float32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def make_norm(kind: str, dim: int) -> nn.Module:
+    """``"rmsnorm"`` or ``"layernorm"``."""
+    if kind == "rmsnorm":
+        return RMSNorm(dim)
+    if kind == "layernorm":
+        return nn.LayerNorm(dim)
+    raise ValueError(f"norm must be 'rmsnorm' or 'layernorm', got {kind!r}")
+
+
+def rotate(x: torch.Tensor, base: float) -> torch.Tensor:
+    r"""Rotary position embedding of ``x`` ``(batch, heads, seq, head_dim)``.
+
+    Channel pairs :math:`(x_i, x_{i + d/2})` at position :math:`t` turn by the angle
+    :math:`t\, \mathrm{base}^{-2i/d}`; angles are computed in float32 and the result has ``x``'s dtype.
+    """
+    n, d = x.shape[-2], x.shape[-1]
+    inv_freq = base ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    angles = torch.outer(torch.arange(n, device=x.device, dtype=torch.float32), inv_freq)
+    cos, sin = angles.cos(), angles.sin()
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    """Query/key/value projections, RoPE, causal flashbob attention, output projection."""
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, rope_base: float, backend: str, dropout: float):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, d_model // n_heads
+        self.rope_base, self.backend = rope_base, backend
+        self.q = nn.Linear(d_model, n_heads * self.head_dim, bias=False)
+        self.kv = nn.Linear(d_model, 2 * n_kv_heads * self.head_dim, bias=False)
+        self.out = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = rearrange(self.q(x), "b n (h d) -> b h n d", h=self.n_heads)
+        k, v = rearrange(self.kv(x), "b n (two h d) -> two b h n d", two=2, h=self.n_kv_heads)
+        q, k = rotate(q, self.rope_base), rotate(k, self.rope_base)
+        o = flashbob.attention(q, k, v, causal=True, backend=self.backend)
+        return self.dropout(self.out(rearrange(o, "b h n d -> b n (h d)")))
+
+
+class MLP(nn.Module):
+    """``gelu``: ``W2 gelu(W1 x)``; ``swiglu``: ``W2 (silu(Wg x) * Wu x)`` with 2/3 of the hidden width."""
+
+    def __init__(self, d_model: int, kind: str, ratio: float, dropout: float):
+        super().__init__()
+        if kind not in ("gelu", "swiglu"):
+            raise ValueError(f"mlp must be 'gelu' or 'swiglu', got {kind!r}")
+        self.kind = kind
+        hidden = round(ratio * d_model * (2 / 3 if kind == "swiglu" else 1))
+        self.up = nn.Linear(d_model, hidden * (2 if kind == "swiglu" else 1), bias=False)
+        self.down = nn.Linear(hidden, d_model, bias=False)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        if self.kind == "swiglu":
+            gate, h = h.chunk(2, dim=-1)
+            h = F.silu(gate) * h
+        else:
+            h = F.gelu(h)
+        return self.dropout(self.down(h))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, d_model, n_heads, n_kv_heads, norm, mlp, mlp_ratio, rope_base, attention_backend, dropout):
+        super().__init__()
+        self.norm1, self.norm2 = make_norm(norm, d_model), make_norm(norm, d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads, n_kv_heads, rope_base, attention_backend, dropout)
+        self.mlp = MLP(d_model, mlp, mlp_ratio, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    """Token embedding, ``n_layers`` blocks, final norm, linear head to next-token logits."""
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int = 256,
+        d_model: int = 128,
+        n_layers: int = 4,
+        n_heads: int = 4,
+        n_kv_heads: int | None = None,
+        norm: str = "rmsnorm",
+        mlp: str = "swiglu",
+        mlp_ratio: float = 4.0,
+        rope_base: float = 10000.0,
+        tie_embeddings: bool = True,
+        dropout: float = 0.0,
+        checkpoint_activations: bool = False,
+        attention_backend: str = "auto",
+    ):
+        super().__init__()
+        n_kv_heads = n_kv_heads or n_heads
+        if d_model % n_heads or (d_model // n_heads) % 2:
+            raise ValueError(f"d_model ({d_model}) must be n_heads ({n_heads}) times an even head dimension")
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        self.checkpoint_activations = checkpoint_activations
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.blocks = nn.ModuleList(
+            Block(d_model, n_heads, n_kv_heads, norm, mlp, mlp_ratio, rope_base, attention_backend, dropout)
+            for _ in range(n_layers)
+        )
+        self.norm = make_norm(norm, d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        self.apply(self._init)
+        for block in self.blocks:  # residual branches scaled down with depth (GPT-2)
+            for proj in (block.attn.out, block.mlp.down):
+                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * n_layers))
+        if tie_embeddings:
+            self.head.weight = self.embed.weight
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits ``(batch, seq, vocab)`` for the next token after each of ``tokens`` ``(batch, seq)``."""
+        x = self.embed(tokens)
+        for block in self.blocks:
+            if self.checkpoint_activations and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.head(self.norm(x))
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in nats, computed in float32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())

@@ -1,0 +1,302 @@
+"""Pretrain a byte-level decoder-only transformer whose attention runs through flashbob.
+
+    python -m recipes.lm --config configs/lm/tiny.yaml                       # CPU, a few minutes
+    python -m recipes.lm --config configs/lm/gpu_32k.yaml optimizer.name=sophiah
+    python -m recipes.lm --config configs/lm/tiny.yaml --resume auto          # continue the run
+
+Every setting is below with its default and meaning; a YAML file sets some of them and
+``key=value`` arguments (OmegaConf dotlist) override any. Unknown keys, wrong types and bad
+values are rejected with an error naming the key. One process, one device: there is no
+multi-GPU launch (``torchrun``) yet. A run writes to ``<out_dir>/<name>/``: the resolved
+``config.yaml``, ``metrics.jsonl``, ``checkpoints/step_*.pt`` and ``wandb/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from tqdm import tqdm
+
+from recipes.lm import checkpoint, data, optimizers
+from recipes.lm.logger import RunLogger
+from recipes.lm.model import GPT, cross_entropy
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256  # 256 for bytes; a binary corpus of uint16 ids needs its own vocabulary size
+    d_model: int = 128  # width of the residual stream
+    n_layers: int = 4  # transformer blocks
+    n_heads: int = 4  # query heads; head_dim = d_model / n_heads (must be even, for RoPE)
+    n_kv_heads: Optional[int] = None  # key/value heads for grouped-query attention; None: n_heads
+    norm: str = "rmsnorm"  # rmsnorm | layernorm (pre-norm)
+    mlp: str = "swiglu"  # swiglu | gelu
+    mlp_ratio: float = 4.0  # MLP hidden width / d_model (swiglu uses 2/3 of it, same parameter count)
+    rope_base: float = 10000.0  # rotary embedding base
+    tie_embeddings: bool = True  # output head shares the token embedding matrix
+    dropout: float = 0.0  # after attention and MLP outputs
+    checkpoint_activations: bool = False  # recompute each block in backward (torch.utils.checkpoint)
+    attention_backend: str = "auto"  # auto (Triton on CUDA, blocked PyTorch elsewhere) | triton | blocked
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # stdlib (the interpreter's own .py files) | text (glob in path) | binary (file in path)
+    path: Optional[str] = None  # glob of text files, or a pre-tokenised binary file
+    binary_dtype: str = "uint16"  # uint8 | uint16, token type of a binary file
+    max_bytes: int = 4_000_000  # cap on the bytes read from stdlib/text sources
+    val_fraction: float = 0.05  # share of documents (stdlib/text) or of the tail (binary) held out
+    context_length: int = 256  # tokens per training sequence
+    batch_size: int = 8  # sequences per micro-batch
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"  # adamw | sophiah | sophiag | newtoncg | adahessian
+    lr: float = 3e-3  # peak learning rate (passed to optimizers whose constructor takes lr)
+    betas: Optional[list[float]] = None  # passed when set and the constructor takes betas; None: its default
+    eps: Optional[float] = None  # passed when set and the constructor takes eps; None: its default
+    weight_decay: float = 0.1  # decoupled weight decay of linear-layer matrices
+    decay_all: bool = False  # also decay norms, biases and embeddings
+    grad_clip: float = 1.0  # clip the gradient norm (first-order optimizers); 0: off
+    warmup_steps: int = 20  # linear warm-up, then cosine decay to min_lr_ratio * lr at the last step
+    min_lr_ratio: float = 0.1
+    kwargs: dict[str, Any] = field(default_factory=dict)  # extra constructor arguments, e.g. {rho: 0.05}
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200  # optimizer steps
+    grad_accum_steps: int = 1  # micro-batches per step (first-order optimizers only)
+    seed: int = 0  # model initialisation and data order
+    device: str = "auto"  # auto (cuda if available) | cpu | cuda
+    dtype: str = "auto"  # auto (bfloat16 autocast on cuda, float32 elsewhere) | float32 | bfloat16
+    threads: int = 0  # CPU threads of torch's matrix products; 0: PyTorch's default (one per core)
+    eval_interval: int = 50  # steps between validation losses (and at the last step)
+    eval_batches: int = 4  # fixed validation batches per evaluation
+    log_interval: int = 10  # steps between logged training metrics (and at the first and last step)
+    checkpoint_interval: int = 100  # steps between checkpoints (and at the last step); 0: last step only
+    keep_checkpoints: int = 2  # newest checkpoints kept; 0: all
+    resume: Optional[str] = None  # None | auto (newest checkpoint of this run, if any) | checkpoint file or folder
+    progress: bool = True  # tqdm progress bar
+
+
+@dataclass
+class LoggerConfig:
+    kind: str = "wandb"  # wandb | none (metrics.jsonl is written either way)
+    project: str = "flashbob-lm"  # W&B project
+    entity: Optional[str] = None  # W&B entity (team or user); None: your default
+    wandb_mode: str = "offline"  # offline (files only, `wandb sync` later) | online (needs `wandb login`) | disabled
+
+
+@dataclass
+class Config:
+    name: str = "tiny"  # run name: outputs go to <out_dir>/<name>
+    out_dir: str = "runs"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the key."""
+
+
+CHOICES = {
+    "model.norm": ("rmsnorm", "layernorm"),
+    "model.mlp": ("swiglu", "gelu"),
+    "model.attention_backend": ("auto", "triton", "blocked"),
+    "data.source": ("stdlib", "text", "binary"),
+    "data.binary_dtype": tuple(data.BINARY_DTYPES),
+    "train.device": ("auto", "cpu", "cuda"),
+    "train.dtype": ("auto", "float32", "bfloat16"),
+    "logger.kind": ("wandb", "none"),
+    "logger.wandb_mode": ("offline", "online", "disabled"),
+}
+POSITIVE = ("model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.mlp_ratio",
+            "data.max_bytes", "data.context_length", "data.batch_size", "optimizer.lr", "train.steps",
+            "train.grad_accum_steps", "train.eval_interval", "train.eval_batches", "train.log_interval")
+NON_NEGATIVE = ("optimizer.weight_decay", "optimizer.grad_clip", "optimizer.warmup_steps",
+                "optimizer.min_lr_ratio", "train.checkpoint_interval", "train.keep_checkpoints", "train.threads",
+                "model.dropout")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise :class:`ConfigError` for values the schema's types allow but the recipe cannot run."""
+    for key, allowed in CHOICES.items():
+        if OmegaConf.select(cfg, key) not in allowed:
+            raise ConfigError(f"{key} must be one of {', '.join(allowed)}; got {OmegaConf.select(cfg, key)!r}")
+    for key in POSITIVE:
+        if not OmegaConf.select(cfg, key) > 0:
+            raise ConfigError(f"{key} must be > 0, got {OmegaConf.select(cfg, key)}")
+    for key in NON_NEGATIVE:
+        if not OmegaConf.select(cfg, key) >= 0:
+            raise ConfigError(f"{key} must be >= 0, got {OmegaConf.select(cfg, key)}")
+    m = cfg.model
+    if m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2:
+        raise ConfigError(f"model.d_model ({m.d_model}) must be model.n_heads ({m.n_heads}) times an even head_dim")
+    if m.n_kv_heads is not None and (m.n_kv_heads <= 0 or m.n_heads % m.n_kv_heads):
+        raise ConfigError(
+            f"model.n_heads ({m.n_heads}) must be a positive multiple of model.n_kv_heads ({m.n_kv_heads})"
+        )
+    if not 0 < cfg.data.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
+    if cfg.data.source != "stdlib" and not cfg.data.path:
+        raise ConfigError(f"data.path is required for data.source={cfg.data.source}")
+    try:
+        spec = optimizers.spec(cfg.optimizer.name)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if spec.second_order and cfg.train.grad_accum_steps != 1:
+        raise ConfigError(f"train.grad_accum_steps must be 1 for the second-order optimizer {cfg.optimizer.name}")
+
+
+def load_config(path: str | None = None, overrides: list[str] = ()) -> DictConfig:
+    """The schema's defaults, updated by the YAML file ``path`` and then by ``key=value`` ``overrides``."""
+    try:
+        sources = [OmegaConf.load(path)] if path else []
+        sources.append(OmegaConf.from_dotlist(list(overrides)))
+        for source in sources:  # `logger: none` is shorthand for `logger.kind: none`
+            if isinstance(source.get("logger"), str):
+                source.logger = {"kind": source.logger}
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), *sources)
+    except OmegaConfBaseException as error:
+        key = getattr(error, "full_key", None)
+        message = str(getattr(error, "msg", error)).splitlines()[0]
+        raise ConfigError(f"bad config key {key!r}: {message}" if key else f"bad config: {message}") from None
+    validate(cfg)
+    return cfg
+
+
+def resolve_device(cfg: DictConfig) -> tuple[torch.device, torch.dtype | None]:
+    """The device, and the autocast dtype (``None``: no autocast)."""
+    name = cfg.train.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = cfg.train.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if name == "cuda" else "float32"
+    return torch.device(name), (torch.bfloat16 if dtype == "bfloat16" else None)
+
+
+def resume_path(resume: str | None, run_dir: Path) -> Path | None:
+    """The checkpoint ``train.resume`` names: ``auto`` is this run's newest (or none yet)."""
+    if resume is None:
+        return None
+    target = run_dir / "checkpoints" if resume == "auto" else Path(resume)
+    if target.is_dir():
+        found = checkpoint.latest(target)
+        if found is None and resume != "auto":
+            raise FileNotFoundError(f"train.resume: no checkpoint in {target}")
+        return found
+    if not target.is_file():
+        raise FileNotFoundError(f"train.resume: {target} does not exist")
+    return target
+
+
+@torch.no_grad()
+def evaluate(model: GPT, forward, batches: data.Batches, n: int, device: torch.device) -> float:
+    """Mean loss over the first ``n`` batches of ``batches`` (the same ones every time)."""
+    model.eval()
+    losses = [forward(*(t.to(device) for t in batches.get(i)))[0].item() for i in range(n)]
+    model.train()
+    return sum(losses) / n
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Run the training ``cfg`` describes; returns the last logged train and validation losses."""
+    run_dir = Path(cfg.out_dir) / cfg.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, run_dir / "config.yaml")
+    device, autocast_dtype = resolve_device(cfg)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    torch.manual_seed(cfg.train.seed)
+
+    corpus = data.load_corpus(cfg.data.source, cfg.data.path, cfg.data.max_bytes, cfg.data.val_fraction,
+                              cfg.data.binary_dtype)
+    length, batch = cfg.data.context_length, cfg.data.batch_size
+    train_batches = data.Batches(corpus.train, length, batch, cfg.train.seed, "train")
+    val_batches = data.Batches(corpus.val, length, batch, cfg.train.seed + 1, "validation")
+
+    model = GPT(**OmegaConf.to_container(cfg.model)).to(device)
+    spec = optimizers.spec(cfg.optimizer.name)
+    o = cfg.optimizer
+    settings = {"lr": o.lr, "betas": tuple(o.betas) if o.betas else None, "eps": o.eps}
+    opt = optimizers.build_optimizer(model, o.name, {k: v for k, v in settings.items() if v is not None},
+                                     OmegaConf.to_container(o.kwargs), o.weight_decay, o.decay_all)
+    scheduler = optimizers.build_scheduler(opt, o.warmup_steps, cfg.train.steps, o.min_lr_ratio)
+
+    step = 0
+    source = resume_path(cfg.train.resume, run_dir)
+    if source is not None:
+        state = checkpoint.load(source)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        if scheduler is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        train_batches.load_state_dict(state["data"])
+        checkpoint.set_rng_state(state["rng"])
+        step = state["step"]
+
+    def forward(inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext())
+        with autocast:
+            logits = model(inputs)
+        return cross_entropy(logits, targets), logits
+
+    def save_checkpoint() -> None:
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                 "data": train_batches.state_dict(), "rng": checkpoint.rng_state(), "step": step,
+                 "config": OmegaConf.to_container(cfg)}
+        checkpoint.save(run_dir / "checkpoints", step, state, keep=cfg.train.keep_checkpoints)
+
+    logger = RunLogger(run_dir, OmegaConf.to_container(cfg, resolve=True), kind=cfg.logger.kind,
+                       project=cfg.logger.project, name=cfg.name, wandb_mode=cfg.logger.wandb_mode,
+                       entity=cfg.logger.entity)
+    tokens_per_step = cfg.data.batch_size * cfg.data.context_length * cfg.train.grad_accum_steps
+    last: dict[str, float] = {}
+    bar = tqdm(total=cfg.train.steps, initial=step, disable=not cfg.train.progress, desc=cfg.name, unit="step")
+    try:
+        while step < cfg.train.steps:
+            start = time.perf_counter()
+            lr = {"train/lr": opt.param_groups[0]["lr"]} if "lr" in opt.param_groups[0] else {}
+            micro = [tuple(t.to(device) for t in train_batches.next()) for _ in range(cfg.train.grad_accum_steps)]
+            loss, stats = optimizers.train_step(opt, forward, micro, spec.second_order, spec.closure_returns_logits,
+                                                o.grad_clip)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"training loss became {loss} at step {step + 1}")
+            if scheduler is not None:
+                scheduler.step()
+            step += 1
+            elapsed = time.perf_counter() - start
+            bar.update()
+            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+            metrics = {}
+            if step % cfg.train.log_interval == 0 or step in (1, cfg.train.steps):
+                metrics.update({"train/loss": loss, "train/perplexity": math.exp(loss),
+                                "train/tokens_per_s": tokens_per_step / elapsed, **lr,
+                                **{f"optimizer/{k}": v for k, v in stats.items()}})
+            if step % cfg.train.eval_interval == 0 or step == cfg.train.steps:
+                val = evaluate(model, forward, val_batches, cfg.train.eval_batches, device)
+                metrics.update({"val/loss": val, "val/perplexity": math.exp(val)})
+            if metrics:
+                logger.log(step, metrics)
+                last.update(metrics)
+            if (cfg.train.checkpoint_interval and step % cfg.train.checkpoint_interval == 0) or step == cfg.train.steps:
+                save_checkpoint()
+    finally:
+        bar.close()
+        logger.close()
+    return last
