@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -104,6 +105,7 @@ def measure(impl, workload, n, batch, heads, head_dim, causal, dtype, warmup, re
         torch.cuda.empty_cache()
         q, k, v = (torch.randn(batch, heads, n, head_dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
         fn = make_workload(impl, workload, q, k, v, causal)
+        fn()  # compiles and autotunes outside the measurement
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         fn()
@@ -134,8 +136,13 @@ def main() -> None:
                         help="if set, heads = max(1, heads * tokens // N) to bound the work at long N")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--tuned-configs", default="", help="write the configs autotuning picked (JSON) here")
     args = parser.parse_args()
 
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    out = open(args.out, "w", newline="")
+    writer = csv.DictWriter(out, fieldnames=[f.name for f in fields(Row)])
+    writer.writeheader()
     rows, out_of_memory = [], set()
     for head_dim in args.head_dims:
         for causal in map(bool, args.causal):
@@ -151,15 +158,18 @@ def main() -> None:
                         if row.status == "oom":
                             out_of_memory.add(key)
                         rows.append(row)
+                        writer.writerow(asdict(row))
+                        out.flush()
                         print(f"{impl:9s} {workload:11s} N={n:7d} H={heads:2d} d={head_dim:3d} causal={causal:d} "
                               f"{row.status:3s} ms={row.ms or 0:9.2f} TFLOP/s={row.tflops or 0:6.1f} "
                               f"peak={row.peak_gib or 0:6.2f} GiB", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
-        writer.writeheader()
-        writer.writerows(asdict(r) for r in rows)
+    out.close()
     print(f"wrote {len(rows)} rows to {args.out}")
+    if args.tuned_configs:
+        from flashbob.kernels import configs
+
+        Path(args.tuned_configs).write_text(json.dumps(configs.tuned_configs(), indent=1))
+        print(f"wrote the autotuned configs to {args.tuned_configs}")
 
 
 if __name__ == "__main__":

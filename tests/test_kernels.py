@@ -196,3 +196,39 @@ def test_config_override_is_scoped():
     with configs.override(block_m=16, block_n=16):
         assert configs.choose("forward", 64, torch.float16).block_m == 16
     assert configs.choose("forward", 64, torch.float16) == before
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 64), (64, 16)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_rectangular_tiles(gen, block_m, block_n, causal):
+    """Autotuning picks block_m != block_n: the causal split and ragged tails must hold for those too."""
+    inputs = make_inputs(gen, (1, 2, 1, 45, 37, 32), torch.float64)
+    with configs.override(block_m=block_m, block_n=block_n):
+        outputs = run_kernels(inputs, COTANGENTS, causal=causal, scale=0.2)
+    assert_matches_reference(outputs, inputs, COTANGENTS, causal=causal, scale=0.2, tolerance=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("head_dim", [16, 40, 64, 128, 256])
+def test_autotune_spaces_are_pruned_not_empty(dtype, head_dim):
+    for kernel in configs.KERNELS:
+        space = configs.candidates(kernel, head_dim, dtype, 4096)
+        assert space, kernel
+        assert configs.choose(kernel, head_dim, dtype, 4096) == space[0]
+        assert len(space) == 1 or all(configs.fits(kernel, c, head_dim, dtype) for c in space), kernel
+    assert not configs.fits("bob_rows", configs.BlockConfig(128, 128, 4, 3), 256, dtype)
+    short = configs.candidates("forward", head_dim, dtype, 20)
+    assert all(min(c.block_m, c.block_n) <= 32 for c in short)
+
+
+def test_autotune_switches(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("FLASHBOB_AUTOTUNE", "1")
+    assert configs.autotune_enabled()
+    with configs.override(block_m=16):
+        assert not configs.autotune_enabled()
+    monkeypatch.setenv("FLASHBOB_AUTOTUNE", "0")
+    assert not configs.autotune_enabled()
+    monkeypatch.setenv("FLASHBOB_AUTOTUNE", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not configs.autotune_enabled()

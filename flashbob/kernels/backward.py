@@ -212,18 +212,16 @@ def backward(
         o, do, delta, *strides(o), *strides(do), heads, n, **shape, BLOCK_M=config.block_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    config = configs.choose("dkdv", head_dim, q.dtype)
-    _dkdv_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_N"]), batch * kv_heads)](
+    configs.launch(
+        "dkdv", _dkdv_kernel, lambda meta: (triton.cdiv(m, meta["BLOCK_N"]), batch * kv_heads),
         q, k, v, do, lse, delta, dk, dv, *strides(q), *strides(k), *strides(v), *strides(do), *strides(dk),
         *strides(dv), heads, kv_heads, heads // kv_heads, n, m, qk_scale, scale,
-        **shape, BLOCK_M=config.block_m, BLOCK_N=config.block_n, CAUSAL=causal, PRECISION=precision,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        head_dim=head_dim, dtype=q.dtype, length=m, **shape, CAUSAL=causal, PRECISION=precision,
     )
-    config = configs.choose("dq", head_dim, q.dtype)
-    _dq_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads)](
+    configs.launch(
+        "dq", _dq_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads),
         q, k, v, do, lse, delta, dq, *strides(q), *strides(k), *strides(v), *strides(do), *strides(dq),
         heads, heads // kv_heads, n, m, qk_scale, scale,
-        **shape, BLOCK_M=config.block_m, BLOCK_N=config.block_n, CAUSAL=causal, PRECISION=precision,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        head_dim=head_dim, dtype=q.dtype, length=n, **shape, CAUSAL=causal, PRECISION=precision,
     )
     return dq, dk, dv, delta

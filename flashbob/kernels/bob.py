@@ -326,20 +326,18 @@ def bob(
     )
     qk_scale = scale * LOG2E.value
 
-    config = configs.choose("bob_rows", head_dim, q.dtype)
-    _bob_rows_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads)](
+    configs.launch(
+        "bob_rows", _bob_rows_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads),
         q, k, v, o, do, lse, delta, u_bar, w_bar, z_bar, q_bar, do_bar, a, c,
         *strides(q), *strides(k), *strides(v), *strides(o), *strides(do), *strides(u_bar), *strides(w_bar),
         *strides(z_bar), *strides(q_bar), *strides(do_bar), heads, heads // kv_heads, n, m, qk_scale, scale,
-        **constants, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        head_dim=head_dim, dtype=q.dtype, length=n, **constants,
     )
-    config = configs.choose("bob_cols", head_dim, q.dtype)
-    _bob_columns_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_N"]), batch * kv_heads)](
+    configs.launch(
+        "bob_cols", _bob_columns_kernel, lambda meta: (triton.cdiv(m, meta["BLOCK_N"]), batch * kv_heads),
         q, k, v, do, lse, delta, a, c, u_bar, w_bar, z_bar, k_bar, v_bar,
         *strides(q), *strides(k), *strides(v), *strides(do), *strides(u_bar), *strides(w_bar), *strides(z_bar),
         *strides(k_bar), *strides(v_bar), heads, kv_heads, heads // kv_heads, n, m, qk_scale, scale,
-        **constants, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        head_dim=head_dim, dtype=q.dtype, length=m, **constants,
     )
     return q_bar, k_bar, v_bar, do_bar

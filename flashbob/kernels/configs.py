@@ -1,12 +1,20 @@
-"""Block sizes, warps and pipeline stages of every kernel, chosen in one place."""
+"""Launch configurations of every kernel: defaults, autotune spaces, pruning, and the launcher.
+
+On a GPU each kernel is autotuned (``triton.autotune``) over the candidates of its space that
+fit, once per (head_dim, dtype, power-of-two bucket of the sequence length) and per compile-time
+flag set (causal, which cotangents exist). Set ``FLASHBOB_AUTOTUNE=0`` to skip tuning and use the
+hand-picked defaults (the first candidate of each space); Triton's interpreter never tunes.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Iterator
 
 import torch
+import triton
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,43 +31,83 @@ class BlockConfig:
     num_stages: int
 
 
-# kernel -> configs for head_dim <= 64, <= 128, <= 256 (16-bit inputs). Picked so that ptxas
-# reports no (or almost no) register spills for sm_90 in Triton 3.9; not yet timed.
-_TABLE = {
-    "forward": (BlockConfig(128, 64, 4, 3), BlockConfig(128, 64, 8, 3), BlockConfig(64, 32, 8, 2)),
-    "delta": (BlockConfig(64, 1, 4, 1), BlockConfig(32, 1, 4, 1), BlockConfig(16, 1, 4, 1)),
-    "dq": (BlockConfig(64, 64, 4, 2), BlockConfig(64, 64, 8, 2), BlockConfig(32, 32, 8, 1)),
-    "dkdv": (BlockConfig(32, 64, 4, 2), BlockConfig(32, 64, 8, 2), BlockConfig(32, 32, 8, 1)),
-    "bob_rows": (BlockConfig(32, 32, 4, 2), BlockConfig(32, 32, 8, 2), BlockConfig(16, 32, 8, 2)),
-    "bob_cols": (BlockConfig(64, 32, 4, 2), BlockConfig(64, 32, 8, 2), BlockConfig(32, 32, 8, 1)),
+def _space(*configs: tuple[int, int, int, int]) -> tuple[BlockConfig, ...]:
+    return tuple(BlockConfig(*c) for c in configs)
+
+
+# Candidates per kernel for 16-bit inputs; the first one that fits is the default (no tuning).
+SPACES = {
+    "forward": _space((128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4),
+                      (64, 32, 8, 2), (64, 128, 4, 3)),
+    "delta": _space((64, 1, 4, 1)),
+    "dq": _space((64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 2),
+                 (64, 128, 8, 2), (32, 32, 8, 1)),
+    "dkdv": _space((32, 64, 8, 2), (32, 64, 4, 2), (64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2),
+                   (64, 64, 4, 3), (32, 32, 8, 1)),
+    "bob_rows": _space((32, 32, 8, 2), (32, 32, 4, 2), (64, 32, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2),
+                       (64, 32, 4, 2), (128, 32, 8, 2), (16, 32, 8, 2)),
+    "bob_cols": _space((64, 32, 8, 2), (64, 32, 4, 2), (32, 64, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2),
+                       (64, 128, 8, 2), (32, 32, 8, 1)),
 }
-KERNELS = tuple(_TABLE)
+KERNELS = tuple(SPACES)
+
+# Live tiles per program, as (accumulators over the outer block, 16-bit input tiles over the outer
+# block, score-shaped tiles block_m x block_n, tiles streamed per loop step over the inner block).
+_FOOTPRINT = {
+    "forward": (1, 1, 2, 2),
+    "delta": (0, 2, 0, 0),
+    "dq": (1, 2, 3, 2),
+    "dkdv": (2, 2, 3, 2),
+    "bob_rows": (4, 3, 5, 4),
+    "bob_cols": (2, 4, 5, 3),
+}
+MAX_REGISTERS_PER_THREAD = 256  # sm_90 has 255 per thread: over this estimate a config cannot fit
+MAX_SHARED_BYTES = 220 * 1024  # sm_90 allows 227 KiB per block
 
 _overrides: dict[str, int] = {}
 
 
-def choose(kernel: str, head_dim: int, dtype: torch.dtype) -> BlockConfig:
-    """Launch parameters of ``kernel`` (one of :data:`KERNELS`) for this head_dim and dtype.
+def fits(kernel: str, config: BlockConfig, head_dim: int, dtype: torch.dtype) -> bool:
+    """Rough register and shared-memory budget of ``config``: configs that cannot fit are pruned."""
+    accumulators, inputs, scores, streamed = _FOOTPRINT[kernel]
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    outer, inner = (config.block_n, config.block_m) if kernel in ("dkdv", "bob_cols") else (config.block_m, config.block_n)
+    words = accumulators * outer * block_d + inputs * outer * block_d * dtype.itemsize / 4
+    words += scores * config.block_m * config.block_n
+    shared = config.num_stages * streamed * inner * block_d * dtype.itemsize
+    return words / (32 * config.num_warps) <= MAX_REGISTERS_PER_THREAD and shared <= MAX_SHARED_BYTES
 
-    Hand-picked for an H200, pending autotuning: the forward keeps one query tile and one output
-    accumulator in registers and takes large tiles; the backward kernels hold two accumulators;
-    BoB's row sweep holds four ``(block_m, head_dim)`` accumulators and three input tiles, so its
-    tiles shrink as head_dim grows. float32/float64 inputs (exact ``tl.dot`` runs on the CUDA
-    cores, not the tensor cores) halve both blocks and take 8 warps.
+
+def candidates(kernel: str, head_dim: int, dtype: torch.dtype, length: int) -> tuple[BlockConfig, ...]:
+    """The space of ``kernel`` for this head_dim, dtype and sequence length, pruned to what fits.
+
+    Blocks larger than the (power-of-two rounded) length are dropped. 32- and 64-bit inputs take
+    half blocks: exact ``tl.dot`` runs on the CUDA cores and needs far more registers. The
+    smallest config is kept as a last resort so that the result is never empty.
     """
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
-    size = 0 if head_dim <= 64 else 1 if head_dim <= 128 else 2
-    config = _TABLE[kernel][size]
+    space = SPACES[kernel]
     if dtype.itemsize >= 4:
-        config = BlockConfig(max(16, config.block_m // 2), max(1, config.block_n // 2), 8, config.num_stages)
-    return dataclasses.replace(config, **_overrides)
+        space = tuple(BlockConfig(max(16, c.block_m // 2), max(1, c.block_n // 2), c.num_warps, c.num_stages)
+                      for c in space)
+    limit = max(16, triton.next_power_of_2(length))
+    kept = tuple(dict.fromkeys(
+        c for c in space if fits(kernel, c, head_dim, dtype) and min(c.block_m, c.block_n) <= limit
+    ))
+    return kept or (min(space, key=lambda c: (c.block_m * c.block_n, -c.num_warps)),)
+
+
+def choose(kernel: str, head_dim: int, dtype: torch.dtype, length: int = 1 << 30) -> BlockConfig:
+    """The default (untuned) launch parameters: the first candidate that fits, with any
+    :func:`override` applied."""
+    return dataclasses.replace(candidates(kernel, head_dim, dtype, length)[0], **_overrides)
 
 
 @contextlib.contextmanager
 def override(**fields: int) -> Iterator[None]:
-    """Force fields of every :class:`BlockConfig` inside the ``with`` block, e.g.
-    ``override(block_m=16, block_n=16)`` so that small test inputs span several tiles."""
+    """Force fields of every :class:`BlockConfig` inside the ``with`` block (tuning is off there),
+    e.g. ``override(block_m=16, block_n=16)`` so that small test inputs span several tiles."""
     unknown = set(fields) - {f.name for f in dataclasses.fields(BlockConfig)}
     if unknown:
         raise ValueError(f"unknown BlockConfig fields {sorted(unknown)}")
@@ -70,3 +118,52 @@ def override(**fields: int) -> Iterator[None]:
     finally:
         _overrides.clear()
         _overrides.update(previous)
+
+
+def autotune_enabled() -> bool:
+    """Tuning runs on real GPUs unless ``FLASHBOB_AUTOTUNE=0`` or an :func:`override` is active."""
+    return (
+        os.environ.get("FLASHBOB_AUTOTUNE", "1") != "0"
+        and os.environ.get("TRITON_INTERPRET", "0") != "1"
+        and not _overrides
+    )
+
+
+_TUNERS: dict[tuple, object] = {}
+
+
+def _tuned(kernel: str, jit_fn, head_dim: int, dtype: torch.dtype, bucket: int, flags: tuple[str, ...]):
+    """One ``triton.autotune`` wrapper per (kernel, head_dim, dtype, length bucket, flag names); it
+    keys its own cache on the values of the compile-time ``flags`` (and on argument dtypes)."""
+    key = (kernel, head_dim, dtype, bucket, flags)
+    if key not in _TUNERS:
+        space = [
+            triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
+            for c in candidates(kernel, head_dim, dtype, bucket)
+        ]
+        _TUNERS[key] = triton.autotune(configs=space, key=list(flags))(jit_fn)
+    return _TUNERS[key]
+
+
+def launch(kernel: str, jit_fn, grid, *args, head_dim: int, dtype: torch.dtype, length: int, **constants) -> None:
+    """Launch ``jit_fn`` (which takes ``BLOCK_M`` and ``BLOCK_N``) on ``grid``: autotuned when
+    :func:`autotune_enabled`, else with :func:`choose`'s config. ``length`` is the sequence length
+    that sizes the blocks (N for row kernels, M for column kernels)."""
+    if autotune_enabled():
+        bucket = triton.next_power_of_2(length)
+        tuned = _tuned(kernel, jit_fn, head_dim, dtype, bucket, tuple(sorted(constants)))
+        tuned[grid](*args, **constants)
+        return
+    config = choose(kernel, head_dim, dtype, length)
+    jit_fn[grid](*args, **constants, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                 num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def tuned_configs() -> list[dict]:
+    """The configs autotuning picked so far, one row per tuned case (for benchmarks and docs)."""
+    return [
+        {"kernel": kernel, "head_dim": head_dim, "dtype": str(dtype).removeprefix("torch."), "bucket": bucket,
+         "flags": dict(zip(flags, key)), "config": str(config)}
+        for (kernel, head_dim, dtype, bucket, flags), tuner in _TUNERS.items()
+        for key, config in tuner.cache.items()
+    ]

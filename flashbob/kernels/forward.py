@@ -124,12 +124,10 @@ def forward(
     kv_heads, m = k.shape[1], k.shape[2]
     o = torch.empty_like(q)
     lse = torch.empty((batch, heads, n), dtype=accumulator_dtype(q.dtype), device=q.device)
-    config = configs.choose("forward", head_dim, q.dtype)
-    _forward_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads)](
+    configs.launch(
+        "forward", _forward_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads),
         q, k, v, o, lse, *strides(q), *strides(k), *strides(v), *strides(o),
-        heads, heads // kv_heads, n, m, scale * LOG2E.value,
-        HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        CAUSAL=causal, PRECISION=dot_precision(q.dtype, allow_tf32),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        heads, heads // kv_heads, n, m, scale * LOG2E.value, head_dim=head_dim, dtype=q.dtype, length=n,
+        HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), CAUSAL=causal, PRECISION=dot_precision(q.dtype, allow_tf32),
     )
     return o, lse
