@@ -15,7 +15,7 @@ Each case runs one of four workloads on ``(batch, heads, N, d)`` bf16 inputs (N 
 
 Times are medians of CUDA-event timings after warm-up. TFLOP/s use the fixed conventions of
 ``bob-math.md``: per (batch, head) forward ``4NMd``, backward ``10NMd``, BoB ``38NMd``, halved
-for causal. Peak memory is ``torch.cuda.max_memory_allocated`` over one run of the workload.
+for causal. Peak memory is ``torch.cuda.max_memory_allocated`` over the timed runs.
 An implementation that runs out of memory is recorded as ``oom`` and not tried at larger N.
 """
 
@@ -85,9 +85,8 @@ def make_workload(impl, workload, q, k, v, causal):
     return lambda: torch.autograd.grad(grads, inputs, bars, retain_graph=True)
 
 
-def time_ms(fn, warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        fn()
+def time_ms(fn, reps: int) -> float:
+    """Median of ``reps`` CUDA-event timings of ``fn``."""
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -105,13 +104,12 @@ def measure(impl, workload, n, batch, heads, head_dim, causal, dtype, warmup, re
         torch.cuda.empty_cache()
         q, k, v = (torch.randn(batch, heads, n, head_dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
         fn = make_workload(impl, workload, q, k, v, causal)
-        fn()  # compiles and autotunes outside the measurement
+        for _ in range(warmup):  # compiles and autotunes outside the measurement
+            fn()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        fn()
-        torch.cuda.synchronize()
+        row.ms = time_ms(fn, reps)
         row.peak_gib = torch.cuda.max_memory_allocated() / 2**30
-        row.ms = time_ms(fn, warmup, reps)
         flops = FLOPS_PER_NMD[workload] * n * n * head_dim * batch * heads * (0.5 if causal else 1.0)
         row.tflops = flops / (row.ms * 1e-3) / 1e12
     except torch.cuda.OutOfMemoryError:
@@ -134,7 +132,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=0,
                         help="if set, heads = max(1, heads * tokens // N) to bound the work at long N")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed runs first (0: compile time is timed)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--tuned-configs", default="", help="write the configs autotuning picked (JSON) here")
     args = parser.parse_args()

@@ -232,3 +232,23 @@ def test_autotune_switches(monkeypatch):
     monkeypatch.setenv("FLASHBOB_AUTOTUNE", "1")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not configs.autotune_enabled()
+
+
+def test_launch_falls_back_when_the_compiler_rejects_a_config(monkeypatch):
+    """The fit estimate is rough: a config that runs out of shared memory gives way to the next one."""
+    from triton.runtime.errors import OutOfResources
+
+    monkeypatch.setenv("FLASHBOB_AUTOTUNE", "0")
+    tried = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def run(*args, BLOCK_M, BLOCK_N, num_warps, num_stages, **constants):
+                tried.append((BLOCK_M, BLOCK_N, num_warps, num_stages))
+                if len(tried) == 1:
+                    raise OutOfResources(262144, 232448, "shared memory")
+            return run
+
+    configs.launch("bob_rows", Kernel(), (1,), head_dim=256, dtype=torch.float16, length=4096, HEAD_DIM=256)
+    space = configs.candidates("bob_rows", 256, torch.float16, 4096)
+    assert [configs.BlockConfig(*t) for t in tried] == list(space[:2])

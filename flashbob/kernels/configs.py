@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,19 +36,20 @@ def _space(*configs: tuple[int, int, int, int]) -> tuple[BlockConfig, ...]:
     return tuple(BlockConfig(*c) for c in configs)
 
 
-# Candidates per kernel for 16-bit inputs; the first one that fits is the default (no tuning).
+# Candidates per kernel for 16-bit inputs; the first one that fits is the default (no tuning):
+# the configs autotuning picked on an H200 for d = 128, bf16, N = 8K-64K (docs/performance.md).
 SPACES = {
-    "forward": _space((128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4),
-                      (64, 32, 8, 2), (64, 128, 4, 3)),
+    "forward": _space((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4),
+                      (64, 32, 8, 2), (64, 128, 4, 3), (32, 32, 4, 1)),
     "delta": _space((64, 1, 4, 1)),
-    "dq": _space((64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 2),
-                 (64, 128, 8, 2), (32, 32, 8, 1)),
-    "dkdv": _space((32, 64, 8, 2), (32, 64, 4, 2), (64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2),
-                   (64, 64, 4, 3), (32, 32, 8, 1)),
-    "bob_rows": _space((32, 32, 8, 2), (32, 32, 4, 2), (64, 32, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2),
-                       (64, 32, 4, 2), (128, 32, 8, 2), (16, 32, 8, 2)),
-    "bob_cols": _space((64, 32, 8, 2), (64, 32, 4, 2), (32, 64, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2),
-                       (64, 128, 8, 2), (32, 32, 8, 1)),
+    "dq": _space((64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 2),
+                 (64, 128, 8, 2), (32, 32, 8, 1), (16, 16, 4, 1)),
+    "dkdv": _space((32, 64, 4, 2), (32, 64, 8, 2), (64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2),
+                   (64, 64, 4, 3), (32, 32, 8, 1), (16, 16, 4, 1)),
+    "bob_rows": _space((32, 64, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2),
+                       (64, 32, 4, 2), (128, 32, 8, 2), (16, 32, 8, 2), (16, 16, 4, 1)),
+    "bob_cols": _space((64, 32, 4, 2), (64, 32, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2),
+                       (64, 128, 8, 2), (32, 32, 8, 1), (16, 16, 4, 1)),
 }
 KERNELS = tuple(SPACES)
 
@@ -147,16 +149,26 @@ def _tuned(kernel: str, jit_fn, head_dim: int, dtype: torch.dtype, bucket: int, 
 
 def launch(kernel: str, jit_fn, grid, *args, head_dim: int, dtype: torch.dtype, length: int, **constants) -> None:
     """Launch ``jit_fn`` (which takes ``BLOCK_M`` and ``BLOCK_N``) on ``grid``: autotuned when
-    :func:`autotune_enabled`, else with :func:`choose`'s config. ``length`` is the sequence length
-    that sizes the blocks (N for row kernels, M for column kernels)."""
+    :func:`autotune_enabled`, else with :func:`choose`'s config (or the next candidate, if the
+    compiler finds that it needs more shared memory or registers than the GPU has). ``length`` is
+    the sequence length that sizes the blocks (N for row kernels, M for column kernels)."""
     if autotune_enabled():
         bucket = triton.next_power_of_2(length)
         tuned = _tuned(kernel, jit_fn, head_dim, dtype, bucket, tuple(sorted(constants)))
         tuned[grid](*args, **constants)
         return
-    config = choose(kernel, head_dim, dtype, length)
-    jit_fn[grid](*args, **constants, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                 num_warps=config.num_warps, num_stages=config.num_stages)
+    if _overrides:
+        fallbacks = (choose(kernel, head_dim, dtype, length),)
+    else:  # the fit estimate is rough: a config the compiler rejects falls back to the next one
+        fallbacks = candidates(kernel, head_dim, dtype, length)
+    for position, config in enumerate(fallbacks):
+        try:
+            jit_fn[grid](*args, **constants, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                         num_warps=config.num_warps, num_stages=config.num_stages)
+            return
+        except OutOfResources:
+            if position == len(fallbacks) - 1:
+                raise
 
 
 def tuned_configs() -> list[dict]:
