@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Callable, Literal
@@ -15,6 +16,8 @@ from flashbob.autograd import Attention
 
 BackendName = Literal["auto", "triton", "blocked"]
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: CUDA's limit on a grid's second dimension, which the Triton kernels index by ``batch * heads``.
+MAX_GRID_Y = 65535
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,10 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
         if x.shape[2] == 0:
             raise ValueError(f"{name} has sequence length 0; flashbob.attention needs at least 1")
+        if x.shape[1] == 0:
+            raise ValueError(f"{name} has 0 heads; flashbob.attention needs at least 1")
+        if x.shape[3] == 0:
+            raise ValueError(f"{name} has head_dim 0; flashbob.attention needs at least 1")
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             raise TypeError(f"{name}.dtype ({x.dtype}) must match q.dtype ({q.dtype})")
@@ -83,6 +90,40 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(
             f"q's {q.shape[1]} heads must be a multiple of k's and v's {k.shape[1]} heads (grouped-query attention)"
         )
+
+
+def check_options(causal: bool, scale: float | None) -> None:
+    """Raise a TypeError/ValueError for a ``causal`` that is not a bool or a ``scale`` that is not a finite number.
+
+    A non-bool ``causal`` (say the string ``"no"``, or a mask tensor) would otherwise be read as its
+    truth value. ``scale`` must be a plain number: gradients with respect to it are not computed, so a
+    tensor that requires grad would silently lose them. Zero and negative scales are valid (uniform
+    and reversed attention) and are computed exactly.
+    """
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r:.40}")
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__} {scale!r:.40}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale}")
+
+
+def check_triton_limits(q: torch.Tensor, k: torch.Tensor) -> None:
+    """Raise a ValueError for shapes the Triton kernels cannot launch, naming the blocked backend as a way out."""
+    from flashbob.kernels.common import MAX_HEAD_DIM
+
+    if q.shape[3] > MAX_HEAD_DIM:
+        raise ValueError(
+            f"head_dim {q.shape[3]} is larger than the Triton kernels' {MAX_HEAD_DIM}; use backend='blocked'"
+        )
+    for name, x in (("q", q), ("k", k)):
+        if x.shape[0] * x.shape[1] > MAX_GRID_Y:
+            raise ValueError(
+                f"{name}'s batch * heads = {x.shape[0] * x.shape[1]} is more than the {MAX_GRID_Y} programs the "
+                "Triton kernels can launch along one grid axis; split the batch into chunks, or use backend='blocked'"
+            )
 
 
 def attention(
@@ -104,12 +145,18 @@ def attention(
             (grouped-query attention: query head ``h`` reads kv head ``h // (heads // kv_heads)``).
         v: values, shaped like ``k``.
         causal: query ``i`` sees key ``j`` iff ``j <= i`` (top-left aligned, as SDPA's ``is_causal``).
-        scale: softmax scale :math:`\tau`; ``None`` means ``1 / sqrt(head_dim)``.
+        scale: softmax scale :math:`\tau`, a finite number (zero and negative are allowed); ``None``
+            means ``1 / sqrt(head_dim)``.
         backend: ``"auto"`` (Triton kernels on CUDA, blocked PyTorch elsewhere), ``"triton"`` or ``"blocked"``.
 
     Returns:
         ``O``, shaped and typed like ``q``. Its backward, taken with ``create_graph=True``, is
         differentiable again through the closed-form backward-over-backward.
+
+    Raises:
+        TypeError, ValueError: malformed inputs or options, with a message naming the argument
+            (``docs/reliability.md`` lists every case). NaN and Inf in the inputs are not checked
+            (that would cost a device synchronisation): they propagate to the outputs.
 
     Example:
         >>> q, k, v = (torch.randn(1, 2, 5, 8, requires_grad=True) for _ in range(3))
@@ -117,10 +164,11 @@ def attention(
         >>> hvp = torch.autograd.grad(dq.sum(), (q, k, v))   # second derivative, exact
     """
     check_inputs(q, k, v)
+    check_options(causal, scale)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    elif not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite number, got {scale}")
     chosen = select_backend(q, backend)
-    o, _lse = Attention.apply(q, k, v, bool(causal), float(scale), chosen)
+    if chosen.name == "triton":
+        check_triton_limits(q, k)
+    o, _lse = Attention.apply(q, k, v, causal, float(scale), chosen)
     return o

@@ -13,6 +13,12 @@ memory is linear in the sequence length. See ``bob-math.md`` for the formulas; n
 Grouped-query attention is handled by viewing the query heads as ``(kv_heads, group)`` and
 broadcasting keys and values over the group axis; gradients of keys and values sum over it.
 Arithmetic is in float32 (float64 for float64 inputs); results are cast back to the input dtype.
+
+Every pass normalises ``P`` by its own row sums ``σ = rowsum(exp(S - lse))`` (1 up to the rounding
+of ``lse``) instead of trusting ``exp(S - lse)`` to sum to one: when scores are large (``|S| ~ 1e4``
+in float32, where ``lse`` is rounded by ~1e-3) an unnormalised ``P`` makes ``rowsum(dS)`` non-zero,
+and a component shared by all keys then leaks into ``dQ`` and BoB's outputs. Row sweeps see whole
+rows and compute ``σ`` themselves; BoB's column sweep reads the ``σ`` its row sweep stored.
 """
 
 from __future__ import annotations
@@ -65,6 +71,14 @@ def _scores(q, k, rows: slice, cols: slice, causal: bool, scale: float) -> torch
     return s
 
 
+def _probabilities(s: torch.Tensor, lse: torch.Tensor, sigma: torch.Tensor | None = None):
+    """``P = exp(S - lse) / σ`` and ``σ``, computed from the panel (which must hold whole rows) when not given."""
+    p = torch.exp(s - lse[..., None])
+    if sigma is None:
+        sigma = p.sum(-1)
+    return p / sigma[..., None], sigma
+
+
 def _visible_keys(rows: slice, m: int, causal: bool) -> slice:
     """Keys any query in ``rows`` can see (causal: those up to the panel's last row)."""
     return slice(0, min(m, rows.stop) if causal else m)
@@ -91,7 +105,7 @@ def forward(q, k, v, *, causal: bool, scale: float, block: int | None = None):
         cols = _visible_keys(rows, m, causal)
         s = _scores(qg, kg, rows, cols, causal, scale)
         lse[..., rows] = torch.logsumexp(s, dim=-1)
-        o[..., rows, :] = torch.exp(s - lse[..., rows, None]) @ vg[..., cols, :]
+        o[..., rows, :] = _probabilities(s, lse[..., rows])[0] @ vg[..., cols, :]
     return _ungroup(o, q), rearrange(lse, "b h g n -> b (h g) n")
 
 
@@ -108,7 +122,7 @@ def backward(q, k, v, o, lse, do, *, causal: bool, scale: float, block: int | No
     dv = torch.zeros_like(dk)
     for rows in _panels(n, panel_size(n, m, qg.shape[:3].numel(), block)):
         cols = _visible_keys(rows, m, causal)
-        p = torch.exp(_scores(qg, kg, rows, cols, causal, scale) - lseg[..., rows, None])
+        p, _ = _probabilities(_scores(qg, kg, rows, cols, causal, scale), lseg[..., rows])
         dp = dog[..., rows, :] @ vg[..., cols, :].transpose(-1, -2)
         ds = p * (dp - delta[..., rows, None])
         dq[..., rows, :] = scale * ds @ kg[..., cols, :]
@@ -133,15 +147,16 @@ def _dual_scores(q, k, u_bar, w_bar, rows: slice, cols: slice, scale: float):
 
 
 def _bob_panel(t: dict, rows: slice, cols: slice, causal: bool, scale: float):
-    """One panel of BoB: ``P``, ``dS``, ``G_S``, ``P ∘ Ā`` (None if ``Ā`` is absent), ``A`` and ``C``.
+    """One panel of BoB: ``P``, ``dS``, ``G_S``, ``P ∘ Ā`` (None if ``Ā`` is absent), ``A``, ``C`` and ``σ``.
 
-    ``A`` and ``C`` are taken from ``t`` when present (pass 2 reads what pass 1 stored) and
-    computed from the panel otherwise (pass 1 sees whole rows)::
+    ``A``, ``C`` and the row sums ``σ`` are taken from ``t`` when present (pass 2 reads what pass 1
+    stored) and computed from the panel otherwise (pass 1 sees whole rows)::
 
         G_dP = P ∘ (Ā - A)
         G_S  = P ∘ ((dP - Δ) ∘ Ā - A dP + B̄ - C)
     """
-    p = torch.exp(_scores(t["q"], t["k"], rows, cols, causal, scale) - t["lse"][..., rows, None])
+    sigma = t["sigma"][..., rows] if "sigma" in t else None
+    p, sigma = _probabilities(_scores(t["q"], t["k"], rows, cols, causal, scale), t["lse"][..., rows], sigma)
     delta = t["delta"][..., rows, None]
     dp = t["do"][..., rows, :] @ t["v"][..., cols, :].transpose(-1, -2)
     ds = p * (dp - delta)
@@ -161,7 +176,7 @@ def _bob_panel(t: dict, rows: slice, cols: slice, causal: bool, scale: float):
         inner = inner + (dp - delta) * a_bar - a[..., None] * dp
     if b_bar is not None:
         inner = inner + b_bar
-    return p, ds, p * inner, None if a_bar is None else p * a_bar, a, c
+    return p, ds, p * inner, None if a_bar is None else p * a_bar, a, c, sigma
 
 
 def bob(q, k, v, do, o, lse, delta, dq_bar, dk_bar, dv_bar, *, causal: bool, scale: float, block: int | None = None):
@@ -187,11 +202,11 @@ def bob(q, k, v, do, o, lse, delta, dq_bar, dk_bar, dv_bar, *, causal: bool, sca
     }
     og = _grouped(o, kv_heads, dtype)
     q_bar, do_bar = torch.zeros_like(t["q"]), torch.zeros_like(t["do"])
-    a, c = torch.empty_like(t["delta"]), torch.empty_like(t["delta"])
+    a, c, sigma = (torch.empty_like(t["delta"]) for _ in range(3))
     batch_heads = t["q"].shape[:3].numel()
     for rows in _panels(n, panel_size(n, m, batch_heads, block)):
         cols = _visible_keys(rows, m, causal)
-        p, ds, g_s, p_a_bar, a[..., rows], c[..., rows] = _bob_panel(t, rows, cols, causal, scale)
+        p, ds, g_s, p_a_bar, a[..., rows], c[..., rows], sigma[..., rows] = _bob_panel(t, rows, cols, causal, scale)
         q_bar[..., rows, :] = g_s @ t["k"][..., cols, :]
         if t["w_bar"] is not None:
             q_bar[..., rows, :] += ds @ t["w_bar"][..., cols, :]
@@ -201,12 +216,12 @@ def bob(q, k, v, do, o, lse, delta, dq_bar, dk_bar, dv_bar, *, causal: bool, sca
             do_bar[..., rows, :] += p_a_bar @ t["v"][..., cols, :]
         if t["z_bar"] is not None:
             do_bar[..., rows, :] += p @ t["z_bar"][..., cols, :]
-    t["a"], t["c"] = a, c
+    t["a"], t["c"], t["sigma"] = a, c, sigma
     k_bar = torch.zeros(t["q"].shape[:2] + t["k"].shape[2:], dtype=dtype, device=q.device)
     v_bar = torch.zeros_like(k_bar)
     for cols in _panels(m, panel_size(m, n, batch_heads, block)):
         rows = _visible_queries(cols, n, causal)
-        p, ds, g_s, p_a_bar, a_panel, _ = _bob_panel(t, rows, cols, causal, scale)
+        p, ds, g_s, p_a_bar, a_panel, _, _ = _bob_panel(t, rows, cols, causal, scale)
         k_panel = g_s.transpose(-1, -2) @ t["q"][..., rows, :]
         if t["u_bar"] is not None:
             k_panel += ds.transpose(-1, -2) @ t["u_bar"][..., rows, :]

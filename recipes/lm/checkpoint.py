@@ -2,12 +2,18 @@
 
 A checkpoint is written to a temporary file in the target folder, flushed to disk, and renamed
 over its final name (``step_00001000.pt``); a process killed mid-write leaves at most a stray
-temporary file, never a broken checkpoint, and :func:`latest` only ever sees finished ones.
+temporary file (``.step_*.pt.tmp-<pid>``, safe to delete), never a broken checkpoint, and
+:func:`latest` only ever sees finished ones. A write that fails (disk full, no permission) removes
+its temporary file and raises :class:`CheckpointWriteError` naming the checkpoint and the cause;
+the checkpoints already written are untouched. An unreadable checkpoint raises
+:class:`CheckpointReadError` naming the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
 import random
 import re
 from pathlib import Path
@@ -16,6 +22,24 @@ import numpy as np
 import torch
 
 NAME = re.compile(r"step_(\d{8})\.pt")
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written; ``errno`` is the cause's, if it was an operating-system error."""
+
+
+class CheckpointReadError(ValueError):
+    """A checkpoint file exists but cannot be read (truncated, corrupt, or not a checkpoint)."""
+
+
+def _os_cause(error: BaseException) -> OSError | None:
+    """The operating-system error behind ``error``: itself, or one in its chain (``torch.save``
+    turns a failed write of its file into a RuntimeError whose context is the OSError)."""
+    while error is not None:
+        if isinstance(error, OSError):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def rng_state() -> dict:
@@ -50,16 +74,34 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def save(directory: Path, step: int, state: dict, keep: int = 0) -> Path:
-    """Write ``state`` atomically as ``directory/step_<step>.pt``; keep only the newest ``keep`` (0: all)."""
-    directory.mkdir(parents=True, exist_ok=True)
+    """Write ``state`` atomically as ``directory/step_<step>.pt``; keep only the newest ``keep`` (0: all).
+
+    Raises:
+        CheckpointWriteError: the folder could not be made or the file not written (disk full, no
+            permission, ...). The temporary file is removed; earlier checkpoints are untouched.
+    """
     final = directory / f"step_{step:08d}.pt"
     temporary = directory / f".{final.name}.tmp-{os.getpid()}"
-    with open(temporary, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, final)
-    _fsync_dir(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(temporary, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, final)
+        _fsync_dir(directory)
+    except BaseException as error:
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+        if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit: clean up, then let them through
+            raise
+        cause = _os_cause(error)
+        reason = (cause.strerror or str(cause)) if cause is not None else f"{type(error).__name__}: {error}"
+        failure = CheckpointWriteError(
+            f"could not write checkpoint {final}: {reason}; the checkpoints already in {directory} are intact"
+        )
+        failure.errno = None if cause is None else cause.errno
+        raise failure from error
     if keep > 0:
         for old in checkpoints(directory)[:-keep]:
             old.unlink()
@@ -80,5 +122,17 @@ def latest(directory: Path) -> Path | None:
 
 
 def load(path: Path) -> dict:
-    """A checkpoint's state, tensors on the CPU (``weights_only``: no arbitrary code is unpickled)."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """A checkpoint's state, tensors on the CPU (``weights_only``: no arbitrary code is unpickled).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        CheckpointReadError: ``path`` is truncated, corrupt or not a checkpoint; the message names it
+            and the earlier checkpoints next to it.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
+        earlier = [p.name for p in checkpoints(path.parent) if p.name < path.name]
+        hint = f"; earlier checkpoints there: {', '.join(earlier)}" if earlier else ""
+        reason = (str(error) or type(error).__name__).splitlines()[0]
+        raise CheckpointReadError(f"checkpoint {path} cannot be read ({reason}){hint}") from error
