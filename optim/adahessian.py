@@ -10,6 +10,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from optim import _closure
+from optim import distributed as _dist
 from optim.curvature import Distribution, HessianOperator, _probe, _vjp, hutchinson_diagonal
 
 
@@ -30,6 +31,12 @@ class AdaHessian(Optimizer):
     :attr:`stats` holds ``loss``, ``hessian_trace`` (:math:`\sum D_t`, a Hutchinson trace estimate)
     and ``step_skipped``.
 
+    Data parallel (``distributed``): each rank's closure returns the mean loss over its equal share
+    of the batch, the probe :math:`z_t` is the same on every rank, and the optimizer averages over
+    the ranks the loss (a scalar) and, in one all-reduce of :math:`2n` elements, :math:`g_t` and
+    :math:`D_t`: the whole batch's values, so the state stays the same on every rank. Without a
+    closure the same holds for ``p.grad`` (whether or not DDP averaged it already).
+
     Example:
         >>> opt = AdaHessian(model.parameters(), lr=0.15)
         >>> loss = opt.step(lambda: loss_fn(model(x), y))
@@ -49,7 +56,10 @@ class AdaHessian(Optimizer):
         spatial_average: Average :math:`D` over the last two dimensions of 4-D parameters.
         maximize: Maximise the loss.
         distribution: Hutchinson probes, ``"rademacher"`` or ``"gaussian"``.
-        generator: Source of the probes (the global one if ``None``).
+        generator: Source of the probes (the global one if ``None``; in distributed mode, one
+            seeded alike on every rank, :func:`optim.distributed.shared_generator`).
+        distributed: ``True`` (the default process group) or a process group: average over its
+            ranks as above. ``False``: one process.
     """
 
     def __init__(
@@ -65,6 +75,7 @@ class AdaHessian(Optimizer):
         maximize: bool = False,
         distribution: Distribution = "rademacher",
         generator: torch.Generator | None = None,
+        distributed: _dist.Distributed = False,
     ) -> None:
         if lr < 0 or eps <= 0 or weight_decay < 0 or not 0 <= hessian_power <= 1:
             raise ValueError("need lr >= 0, eps > 0, weight_decay >= 0 and 0 <= hessian_power <= 1")
@@ -75,6 +86,9 @@ class AdaHessian(Optimizer):
             spatial_average=spatial_average, maximize=maximize,
         )  # fmt: skip
         super().__init__(params, defaults)
+        self.group = _dist.resolve(distributed, "AdaHessian")
+        if generator is None and self.group is not None:
+            generator = _dist.shared_generator(self.param_groups[0]["params"][0].device, self.group)
         self.distribution, self.generator = distribution, generator
         self.stats: dict[str, float] = {}
 
@@ -99,7 +113,7 @@ class AdaHessian(Optimizer):
         params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         if closure is not None:
             result = _closure.evaluate(closure, "AdaHessian")
-            loss = result.loss.detach()
+            loss = _dist.average_loss(result.loss.detach(), self.group)
             self.stats["loss"] = float(loss)
             if not _closure.all_finite([loss]):
                 _closure.warn_skipped("AdaHessian", "loss")
@@ -119,6 +133,8 @@ class AdaHessian(Optimizer):
             with torch.enable_grad():
                 estimate = self._probe_products(tuple(p.grad for p in params), params)
             grads = tuple(p.grad.detach() for p in params)
+        averaged = _dist.all_average((*grads, *estimate), self.group)
+        grads, estimate = averaged[: len(params)], averaged[len(params) :]
         _closure.store_grads(params, grads)
         if not _closure.all_finite(grads):
             _closure.warn_skipped("AdaHessian", "gradient")

@@ -11,6 +11,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from optim import _closure
+from optim import distributed as _dist
 from optim.cg import _dot, cg, martens_schedule
 from optim.curvature import CurvatureOperator, GGNOperator, HessianOperator, LossHessian, hutchinson_diagonal
 
@@ -60,6 +61,16 @@ class NewtonCG(Optimizer):
     usually one or two forwards per step. With ``backtrack``, ``line_search`` and ``adapt_damping``
     all off, there are none.
 
+    Data parallel (``distributed``): each rank's closure returns the mean loss over its equal share
+    of the batch. The optimizer then averages over the ranks the loss (and each trial loss), the
+    gradient and every curvature product (Hutchinson products included), which makes them those of
+    the whole batch; CG and the search run on these averages, identically on every rank, so the
+    parameters stay replicated with no further communication. Per step: one all-reduce of
+    :math:`n` elements for the gradient and one per curvature product (usually ``cg_iters + 1``,
+    plus one per Hutchinson probe), one scalar per closure evaluation. The Hutchinson probes must
+    be the same on every rank: pass a ``generator`` seeded alike, or leave it ``None`` to get
+    :func:`optim.distributed.shared_generator`. Do not wrap the model in DDP (its hooks never run).
+
     The closure runs the forward and returns the loss, ``(loss, outputs)`` or a dict (keys
     ``loss``, ``outputs``, ``targets``, ``loss_hessian``); it does not call ``backward``. The optimizer
     sets ``p.grad`` to the gradient of the loss. After each step :attr:`stats` holds ``loss``,
@@ -99,7 +110,10 @@ class NewtonCG(Optimizer):
             logits, classes last; rows whose ``targets`` from the closure's dict equal -100 do not
             count), ``"mse"`` (mean), or any :class:`~optim.curvature.LossHessian`. A
             ``loss_hessian`` in the closure's dict overrides it for that batch.
-        generator: Source of Hutchinson probes (the global one if ``None``).
+        generator: Source of Hutchinson probes (the global one if ``None``; in distributed mode, a
+            generator seeded alike on every rank).
+        distributed: ``True`` (the default process group) or a ``torch.distributed`` process group:
+            average over its ranks as above. ``False``: one process.
     """
 
     def __init__(
@@ -123,6 +137,7 @@ class NewtonCG(Optimizer):
         maximize: bool = False,
         loss_hessian: str | LossHessian = "cross_entropy",
         generator: torch.Generator | None = None,
+        distributed: _dist.Distributed = False,
     ) -> None:
         if lr < 0 or damping < 0 or weight_decay < 0:
             raise ValueError(f"lr, damping and weight_decay must be >= 0, got {lr}, {damping}, {weight_decay}")
@@ -140,6 +155,9 @@ class NewtonCG(Optimizer):
         )  # fmt: skip
         super().__init__(params, defaults)
         self.loss_hessian = loss_hessian
+        self.group = _dist.resolve(distributed, "NewtonCG")
+        if generator is None and self.group is not None:
+            generator = _dist.shared_generator(self.param_groups[0]["params"][0].device, self.group)
         self.generator = generator
         self.stats: dict[str, float] = {}
 
@@ -177,7 +195,7 @@ class NewtonCG(Optimizer):
         damping = global_state["damping"]
         sign = -1.0 if settings["maximize"] else 1.0
         result = _closure.evaluate(closure, "NewtonCG")
-        loss = result.loss.detach()
+        loss = _dist.average_loss(result.loss.detach(), self.group)
         self.stats = dict(
             loss=float(loss), damping=damping, cg_iters=0.0, reduction_ratio=math.nan, step_size=0.0,
             negative_curvature=0.0, step_skipped=1.0,
@@ -250,7 +268,15 @@ class NewtonCG(Optimizer):
     def _curvature(
         self, result: _closure.ClosureResult, params: list[Tensor], mode: Curvature
     ) -> tuple[CurvatureOperator, tuple[Tensor, ...]]:
-        """The curvature operator and the gradient of the loss, from one create_graph backward."""
+        """The curvature operator and the gradient of the loss (rank averages), from one create_graph backward."""
+        operator, grads = self._local_curvature(result, params, mode)
+        if self.group is None:
+            return operator, grads
+        return _dist.AveragedOperator(operator, self.group), _dist.all_average(grads, self.group)
+
+    def _local_curvature(
+        self, result: _closure.ClosureResult, params: list[Tensor], mode: Curvature
+    ) -> tuple[CurvatureOperator, tuple[Tensor, ...]]:
         if mode == "ggn" and result.outputs is None:
             raise RuntimeError("NewtonCG(curvature='ggn') needs the closure to return (loss, outputs)")
         with torch.enable_grad(), _closure.graph_errors("NewtonCG"):
@@ -295,7 +321,8 @@ class NewtonCG(Optimizer):
         def f(alpha: float, index: int) -> float:
             for p, p0, lr, xi in zip(params, origin, lrs, solve.iterates[index].x):
                 p.copy_(p0 + (alpha * lr) * xi)
-            value = sign * float(_closure.evaluate(closure, "NewtonCG", graph=False).loss)
+            trial = _closure.evaluate(closure, "NewtonCG", graph=False).loss
+            value = sign * float(_dist.average_loss(trial, self.group))
             return value if math.isfinite(value) else math.inf
 
         best = f(1.0, chosen)

@@ -11,6 +11,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from optim import _closure
+from optim import distributed as _dist
 from optim.curvature import Distribution, HessianOperator, hutchinson_diagonal
 
 
@@ -36,11 +37,21 @@ class _Sophia(Optimizer):
     :math:`\eta \operatorname{sign}(m)`. :attr:`stats` reports ``unclipped_fraction``, the share
     of coordinates with :math:`|m / \max(\rho h, \epsilon)| < 1` (the paper's "win rate"), and
     ``clip_fraction`` :math:`= 1 -` that, ``hessian_refreshed``, ``loss`` and ``step_skipped``.
+
+    Data parallel (``distributed``): each rank's closure returns the mean loss over its equal share
+    of the batch; the optimizer averages the loss, the gradient and the fresh estimate
+    :math:`\hat h` over the ranks (one all-reduce of :math:`n` elements per step, :math:`2n` on
+    refresh steps, plus a scalar for the loss), so :math:`m`, :math:`h` and the parameters stay the
+    same on every rank. Without a closure, ``p.grad`` is averaged too (redundant, but harmless, if
+    a DDP-wrapped model's ``backward`` already did it).
     """
 
     _owner = "Sophia"
+    _probes_per_rank = False  # the default generator's draws: alike on every rank, or independent per rank
 
-    def __init__(self, params, lr, betas, rho, weight_decay, eps, update_period, maximize, generator) -> None:
+    def __init__(
+        self, params, lr, betas, rho, weight_decay, eps, update_period, maximize, generator, distributed
+    ) -> None:
         if lr < 0 or rho < 0 or weight_decay < 0 or eps <= 0:
             raise ValueError(f"need lr, rho, weight_decay >= 0 and eps > 0, got {lr}, {rho}, {weight_decay}, {eps}")
         if not all(0 <= beta < 1 for beta in betas) or update_period < 1:
@@ -50,6 +61,10 @@ class _Sophia(Optimizer):
             maximize=maximize,
         )  # fmt: skip
         super().__init__(params, defaults)
+        self.group = _dist.resolve(distributed, self._owner)
+        if generator is None and self.group is not None:
+            device = self.param_groups[0]["params"][0].device
+            generator = _dist.shared_generator(device, self.group, per_rank=self._probes_per_rank)
         self.generator = generator
         self.stats: dict[str, float] = {}
         self._pending_refresh = False
@@ -64,7 +79,7 @@ class _Sophia(Optimizer):
     def _estimate(
         self, result: _closure.ClosureResult, params: list[Tensor]
     ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
-        """Gradient and fresh diagonal estimate :math:`\\hat h` from one closure evaluation."""
+        """Gradient and fresh diagonal estimate :math:`\\hat h` from one closure evaluation, averaged over the ranks."""
         raise NotImplementedError
 
     @torch.no_grad()
@@ -84,7 +99,7 @@ class _Sophia(Optimizer):
                           clip_fraction=float("nan"), step_skipped=1.0)  # fmt: skip
         if closure is not None:
             result = _closure.evaluate(closure, self._owner)
-            loss = result.loss.detach()
+            loss = _dist.average_loss(result.loss.detach(), self.group)
             self.stats["loss"] = float(loss)
             if not _closure.all_finite([loss]):
                 _closure.warn_skipped(self._owner, "loss")
@@ -95,10 +110,11 @@ class _Sophia(Optimizer):
                     grads, estimate = self._estimate(result, params)
                 else:
                     grads = tuple(g.detach() for g in _closure.gradients(result.loss, params))
+                    grads = _dist.all_average(grads, self.group)
             _closure.store_grads(params, grads)
         else:
             params = [p for p in params if p.grad is not None]
-            grads = tuple(p.grad for p in params)
+            grads = _dist.all_average(tuple(p.grad for p in params), self.group)
         if not _closure.all_finite(grads):
             _closure.warn_skipped(self._owner, "gradient")
             return loss
@@ -182,7 +198,12 @@ class SophiaH(_Sophia):
         maximize: Maximise the loss.
         distribution: Hutchinson probes, ``"gaussian"`` (paper) or ``"rademacher"``.
         num_samples: Probes per refresh.
-        generator: Source of the probes (the global one if ``None``).
+        generator: Source of the probes (the global one if ``None``). Data parallel, the probes must
+            be the same on every rank (:math:`\hat h = u \circ \frac1R \sum_r H_r u`, the whole
+            batch's estimate): a generator seeded alike, or ``None`` for
+            :func:`optim.distributed.shared_generator`.
+        distributed: ``True`` (the default process group) or a process group: average over its
+            ranks (see the Sophia class docstring). ``False``: one process.
     """
 
     _owner = "SophiaH"
@@ -201,15 +222,21 @@ class SophiaH(_Sophia):
         distribution: Distribution = "gaussian",
         num_samples: int = 1,
         generator: torch.Generator | None = None,
+        distributed: _dist.Distributed = False,
     ) -> None:
-        super().__init__(params, lr, betas, rho, weight_decay, eps, update_period, maximize, generator)
+        super().__init__(params, lr, betas, rho, weight_decay, eps, update_period, maximize, generator, distributed)
         self.distribution, self.num_samples = distribution, num_samples
 
-    def _hutchinson(self, loss: Tensor, params: list[Tensor]) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    def _hutchinson(
+        self, loss: Tensor, params: list[Tensor], with_gradient: bool = True
+    ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
         operator = HessianOperator(loss, params)
         estimate = hutchinson_diagonal(operator, self.num_samples, self.distribution, self.generator)
         sign = -1.0 if self.param_groups[0]["maximize"] else 1.0
-        return operator.gradient, tuple(sign * e for e in estimate)
+        # The probes are alike on every rank, so averaging u * H_r u averages H_r u; one all-reduce for both.
+        grads = operator.gradient if with_gradient else ()
+        averaged = _dist.all_average((*grads, *(sign * e for e in estimate)), self.group)
+        return averaged[: len(grads)], averaged[len(grads) :]
 
     def _estimate(self, result, params):
         return self._hutchinson(result.loss, params)
@@ -223,7 +250,7 @@ class SophiaH(_Sophia):
         """
         params = self._trainable()
         with torch.enable_grad():
-            _, estimate = self._hutchinson(loss, params)
+            _, estimate = self._hutchinson(loss, params, with_gradient=False)
         if not _closure.all_finite(estimate):
             _closure.warn_skipped(self._owner, "curvature (Hessian estimate)")
             return
@@ -279,10 +306,17 @@ class SophiaG(_Sophia):
         update_period: :math:`k` (paper: 10).
         maximize: Maximise the loss (the estimate, a Gauss-Newton diagonal, is unchanged).
         ignore_index: Target value of rows that are not sampled, when the closure gives ``targets``.
-        generator: Source of the sampled labels (the global one if ``None``).
+        generator: Source of the sampled labels (the global one if ``None``; in distributed mode, a
+            generator seeded differently on each rank, from one broadcast seed).
+        distributed: ``True`` (the default process group) or a process group. Each rank samples
+            labels for its own rows; the ranks' sampled-loss gradients are combined, weighted by
+            their counted rows :math:`B_r`, into the whole batch's
+            :math:`\hat g = \sum_r B_r \hat g_r / \sum_r B_r` before squaring (one all-reduce
+            of :math:`n + 1` elements on refresh steps besides the gradient's).
     """
 
     _owner = "SophiaG"
+    _probes_per_rank = True  # each rank samples labels for its own rows
 
     def __init__(
         self,
@@ -297,8 +331,9 @@ class SophiaG(_Sophia):
         maximize: bool = False,
         ignore_index: int = -100,
         generator: torch.Generator | None = None,
+        distributed: _dist.Distributed = False,
     ) -> None:
-        super().__init__(params, lr, betas, rho, weight_decay, eps, update_period, maximize, generator)
+        super().__init__(params, lr, betas, rho, weight_decay, eps, update_period, maximize, generator, distributed)
         self.ignore_index = ignore_index
 
     def _bartlett(self, logits: Tensor, targets: Tensor | None, params: list[Tensor]) -> tuple[Tensor, ...]:
@@ -311,6 +346,12 @@ class SophiaG(_Sophia):
         count = max(rows.shape[0], 1)
         sampled_loss = F.cross_entropy(rows, sampled, reduction="sum") / count
         sampled_grads = _closure.gradients(sampled_loss, params, retain_graph=True)
+        if self.group is not None:  # the whole batch's gradient: rank sums of B_r g_r and of B_r
+            size = _dist.dist.get_world_size(self.group)
+            local = (*(count * g for g in sampled_grads), logits.new_full((1,), float(count), dtype=torch.float64))
+            summed = tuple(size * t for t in _dist.all_average(local, self.group))
+            count = float(summed[-1])
+            sampled_grads = tuple(t / count for t in summed[:-1])
         return tuple(count * g * g for g in sampled_grads)
 
     def _estimate(self, result, params):
@@ -320,7 +361,8 @@ class SophiaG(_Sophia):
                 "(loss, logits) or a dict with 'outputs'"
             )
         grads = _closure.gradients(result.loss, params, retain_graph=True)
-        return tuple(g.detach() for g in grads), self._bartlett(result.outputs, result.targets, params)
+        grads = _dist.all_average(tuple(g.detach() for g in grads), self.group)
+        return grads, self._bartlett(result.outputs, result.targets, params)
 
     @torch.no_grad()
     def update_hessian(self, logits: Tensor, targets: Tensor | None = None) -> None:

@@ -113,25 +113,46 @@ def load_corpus(source: str, path: str | None, max_bytes: int, val_fraction: flo
 
 
 class Batches:
-    """Random windows of ``context_length + 1`` tokens, ``batch_size`` at a time.
+    r"""Disjoint windows of ``context_length + 1`` tokens, shuffled once per epoch, ``batch_size`` per rank at a time.
 
-    Batch ``i`` is drawn by a generator seeded with ``(seed, i)``, so a batch depends only on its
-    index and the position saved by :meth:`state_dict` restores the stream exactly.
+    The split is cut into :math:`W = \lfloor (T - 1) / \text{context\_length} \rfloor` windows;
+    window :math:`j` holds tokens :math:`[jL, (j + 1)L]` (neighbours share one boundary token, the
+    last target of one and the first input of the next). Epoch :math:`e` visits all :math:`W` in
+    the order of a permutation drawn from ``(seed, e)``, and global batch :math:`i` is positions
+    :math:`iG, \dots, (i + 1)G - 1` of that endless sequence, :math:`G = \text{batch\_size}
+    \cdot \text{world\_size}`; rank :math:`r` takes the :math:`r`-th run of ``batch_size`` of
+    them. So the ranks never share a window, together they cover the split once per epoch, and
+    rank :math:`r`'s rows of a batch are rows :math:`[rB, (r + 1)B)` of the same batch drawn in
+    one process with ``batch_size * world_size``. A batch depends only on its index, so the index
+    saved by :meth:`state_dict` restores the stream exactly.
     """
 
-    def __init__(self, tokens: np.ndarray, context_length: int, batch_size: int, seed: int, split: str):
+    def __init__(self, tokens: np.ndarray, context_length: int, batch_size: int, seed: int, split: str,
+                 *, rank: int = 0, world_size: int = 1):
         if len(tokens) < context_length + 1:
             raise ValueError(
                 f"the {split} split has {len(tokens)} tokens, fewer than data.context_length + 1 = "
                 f"{context_length + 1}; raise data.max_bytes or data.val_fraction, or shorten the context"
             )
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
         self.tokens, self.context_length, self.batch_size, self.seed = tokens, context_length, batch_size, seed
+        self.rank, self.world_size = rank, world_size
+        self.windows = (len(tokens) - 1) // context_length
         self.index = 0
+        self._order: tuple[int, np.ndarray] | None = None
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The permutation of the window indices that epoch ``epoch`` visits."""
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.windows))
+        return self._order[1]
 
     def get(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and next-token targets ``(batch_size, context_length)`` of batch ``index``, int64."""
-        rng = np.random.default_rng([self.seed, index])
-        starts = rng.integers(0, len(self.tokens) - self.context_length, size=self.batch_size)
+        """This rank's inputs and next-token targets ``(batch_size, context_length)`` of batch ``index``, int64."""
+        first = (index * self.world_size + self.rank) * self.batch_size
+        starts = [self.order(p // self.windows)[p % self.windows] * self.context_length
+                  for p in range(first, first + self.batch_size)]
         windows = np.stack([self.tokens[s : s + self.context_length + 1] for s in starts]).astype(np.int64)
         windows = torch.from_numpy(windows)
         return windows[:, :-1], windows[:, 1:]
@@ -142,10 +163,23 @@ class Batches:
         self.index += 1
         return batch
 
+    @property
+    def epoch(self) -> float:
+        """Passes over the split so far (windows drawn by all ranks / windows in the split)."""
+        return self.index * self.batch_size * self.world_size / self.windows
+
     def state_dict(self) -> dict:
-        return {"index": self.index, "seed": self.seed}
+        return {"index": self.index, "seed": self.seed, "global_batch": self.batch_size * self.world_size}
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue where ``state`` left off; with another global batch size, at the same window position."""
         if state["seed"] != self.seed:
             raise ValueError(f"checkpoint data seed {state['seed']} differs from this run's {self.seed}")
-        self.index = state["index"]
+        consumed = state["index"] * state.get("global_batch", self.batch_size * self.world_size)
+        global_batch = self.batch_size * self.world_size
+        if consumed % global_batch:
+            raise ValueError(
+                f"the checkpoint has drawn {consumed} windows, not a multiple of this run's global batch "
+                f"(data.batch_size {self.batch_size} x {self.world_size} processes = {global_batch})"
+            )
+        self.index = consumed // global_batch

@@ -5,15 +5,21 @@ First-order optimizers get gradients from ``loss.backward()``. Second-order ones
 that runs the forward pass and returns the loss (or ``(loss, logits)`` for those that build a
 Gauss-Newton estimate or product from the logits) without calling backward. Entries for :mod:`optim` import
 lazily, so the recipe runs with ``adamw`` before those classes exist.
+
+Data parallel (``torchrun``), first-order optimizers see gradients that DDP averaged in
+``backward``; second-order ones are built with ``distributed=True`` and average what they
+compute themselves, because ``torch.autograd.grad`` bypasses DDP.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import contextlib
 import math
 import numbers
 from collections.abc import Callable, Sequence
+from typing import ContextManager
 from dataclasses import dataclass
 
 import torch
@@ -74,15 +80,23 @@ def param_groups(model: nn.Module, weight_decay: float, decay_all: bool) -> list
 
 
 def build_optimizer(model: nn.Module, name: str, settings: dict, kwargs: dict, weight_decay: float,
-                    decay_all: bool) -> torch.optim.Optimizer:
+                    decay_all: bool, *, distributed: bool = False) -> torch.optim.Optimizer:
     """Optimizer ``name`` over :func:`param_groups` of ``model``.
 
     ``settings`` (``lr``, ``betas``, ``eps``) are passed when the constructor takes them, so one
-    config serves optimizers with different signatures; ``kwargs`` are passed as given.
+    config serves optimizers with different signatures; ``kwargs`` are passed as given. With
+    ``distributed`` (several processes), a second-order optimizer gets ``distributed=True``; one
+    that does not take it cannot run data-parallel and raises ``ValueError``.
     """
-    cls = spec(name).load()
+    entry = spec(name)
+    cls = entry.load()
     accepted = inspect.signature(cls).parameters
     chosen = {key: value for key, value in settings.items() if key in accepted}
+    if distributed and entry.second_order:
+        if "distributed" not in accepted:
+            raise ValueError(f"optimizer {name} ({entry.module}.{entry.cls}) takes no `distributed` argument, so it "
+                             "cannot average its gradients and curvature over processes; run it in one process")
+        chosen["distributed"] = True
     return cls(param_groups(model, weight_decay, decay_all), **chosen, **kwargs)
 
 
@@ -118,12 +132,14 @@ def optimizer_stats(opt: torch.optim.Optimizer) -> dict[str, float]:
 
 
 def train_step(opt: torch.optim.Optimizer, forward: Forward, micro_batches: Sequence[Batch],
-               second_order: bool, closure_returns_logits: bool, grad_clip: float) -> tuple[float, dict[str, float]]:
-    """One optimizer step over ``micro_batches``; returns the loss before the step and diagnostics.
+               second_order: bool, closure_returns_logits: bool, grad_clip: float,
+               no_sync: Callable[[], ContextManager] | None = None) -> tuple[float, dict[str, float]]:
+    """One optimizer step over ``micro_batches``; returns this process's loss before the step and diagnostics.
 
     First order: gradients of the micro-batches' mean loss accumulate through ``backward``, are
-    clipped to norm ``grad_clip`` (0: not clipped) and ``opt.step()`` applies them. Second order:
-    ``opt.step(closure)`` on the single micro-batch; the logged loss is the closure's first value.
+    clipped to norm ``grad_clip`` (0: not clipped) and ``opt.step()`` applies them; ``no_sync``
+    (DDP's) skips gradient averaging on all but the last micro-batch. Second order:
+    ``opt.step(closure)`` on the single micro-batch; the returned loss is the closure's first value.
     """
     opt.zero_grad(set_to_none=True)
     if second_order:
@@ -140,9 +156,11 @@ def train_step(opt: torch.optim.Optimizer, forward: Forward, micro_batches: Sequ
         opt.step(closure)
         return first[0], optimizer_stats(opt)
     total = 0.0
-    for inputs, targets in micro_batches:
-        loss, _ = forward(inputs, targets)
-        (loss / len(micro_batches)).backward()
+    for i, (inputs, targets) in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with no_sync() if no_sync is not None and not last else contextlib.nullcontext():
+            loss, _ = forward(inputs, targets)
+            (loss / len(micro_batches)).backward()
         total += loss.item() / len(micro_batches)
     params = [p for group in opt.param_groups for p in group["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf)

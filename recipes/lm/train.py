@@ -4,11 +4,21 @@
     python -m recipes.lm --config configs/lm/gpu_32k.yaml optimizer.name=sophiah
     python -m recipes.lm --config configs/lm/tiny.yaml --resume auto          # continue the run
 
+Data parallel on N GPUs of one host (or N CPU processes, gloo), with the same configs::
+
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node=N -m recipes.lm --config configs/lm/gpu_8k.yaml
+
+Every process trains a replica on its own ``data.batch_size`` windows (the global batch is N
+times that; the ranks' windows are disjoint and together cover the corpus once per epoch).
+AdamW runs under DDP; the second-order optimizers get ``distributed=True`` and average their
+gradients, curvature products and losses themselves (docs/distributed.md). Rank 0 alone logs
+and writes checkpoints, which hold every rank's random-number state: a run resumes exactly on
+the same number of processes, and at the same data position on another.
+
 Every setting is below with its default and meaning; a YAML file sets some of them and
 ``key=value`` arguments (OmegaConf dotlist) override any. Unknown keys, wrong types and bad
-values are rejected with an error naming the key. One process, one device: there is no
-multi-GPU launch (``torchrun``) yet. A run writes to ``<out_dir>/<name>/``: the resolved
-``config.yaml``, ``metrics.jsonl``, ``checkpoints/step_*.pt`` and ``wandb/``.
+values are rejected with an error naming the key. A run writes to ``<out_dir>/<name>/``: the
+resolved ``config.yaml``, ``metrics.jsonl``, ``checkpoints/step_*.pt`` and ``wandb/``.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -23,9 +34,10 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from recipes.lm import checkpoint, data, optimizers
+from recipes.lm import checkpoint, data, distributed, optimizers
 from recipes.lm.logger import RunLogger
 from recipes.lm.model import GPT, cross_entropy
 
@@ -55,7 +67,7 @@ class DataConfig:
     max_bytes: int = 4_000_000  # cap on the bytes read from stdlib/text sources
     val_fraction: float = 0.05  # share of documents (stdlib/text) or of the tail (binary) held out
     context_length: int = 256  # tokens per training sequence
-    batch_size: int = 8  # sequences per micro-batch
+    batch_size: int = 8  # sequences per micro-batch and process (torchrun: the global batch is N times this)
 
 
 @dataclass
@@ -205,20 +217,63 @@ def resume_path(resume: str | None, run_dir: Path) -> Path | None:
 
 
 @torch.no_grad()
-def evaluate(model: GPT, forward, batches: data.Batches, n: int, device: torch.device) -> float:
-    """Mean loss over the first ``n`` batches of ``batches`` (the same ones every time)."""
+def evaluate(model: GPT, forward, batches: data.Batches, n: int, device: torch.device,
+             ctx: distributed.Context = distributed.Context()) -> float:
+    """Mean loss over the first ``n`` batches of ``batches`` (the same ones every time), averaged over the ranks."""
     model.eval()
     losses = [forward(*(t.to(device) for t in batches.get(i)))[0].item() for i in range(n)]
     model.train()
-    return sum(losses) / n
+    return distributed.average(sum(losses) / n, ctx)
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    """Peak CUDA memory of this process so far, in GiB (nothing on other devices)."""
+    if device.type != "cuda":
+        return {}
+    return {"train/max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+
+
+def rng_states(opt: torch.optim.Optimizer) -> dict:
+    """This process's generator states: the global ones and the optimizer's own (probes), if it has one."""
+    generator = getattr(opt, "generator", None)
+    return {**checkpoint.rng_state(), "optimizer": generator.get_state() if generator is not None else None}
+
+
+def restore_rng(state: dict, opt: torch.optim.Optimizer, ctx: distributed.Context) -> None:
+    """Restore this rank's generator states from a checkpoint written by as many processes; else keep fresh ones."""
+    per_rank = state.get("rng_ranks", [state["rng"]])
+    if len(per_rank) != ctx.world_size:
+        warnings.warn(f"the checkpoint was written by {len(per_rank)} process(es), this run has {ctx.world_size}: "
+                      "random-number states start afresh, so the run continues at the same data position but "
+                      "not bit for bit", RuntimeWarning, stacklevel=2)
+        return
+    mine = per_rank[ctx.rank]
+    checkpoint.set_rng_state(mine)
+    generator = getattr(opt, "generator", None)
+    if generator is not None and mine.get("optimizer") is not None:
+        generator.set_state(mine["optimizer"].cpu())
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Run the training ``cfg`` describes; returns the last logged train and validation losses."""
+    """Run the training ``cfg`` describes; returns the last logged train and validation losses.
+
+    Under ``torchrun`` every process calls this; see the module docstring.
+    """
     run_dir = Path(cfg.out_dir) / cfg.name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, run_dir / "config.yaml")
     device, autocast_dtype = resolve_device(cfg)
+    ctx = distributed.setup(device.type)
+    device = ctx.device if device.type == "cuda" else device
+    try:
+        return _train(cfg, run_dir, ctx, device, autocast_dtype)
+    finally:
+        distributed.teardown(ctx)
+
+
+def _train(cfg: DictConfig, run_dir: Path, ctx: distributed.Context, device: torch.device,
+           autocast_dtype: torch.dtype | None) -> dict[str, float]:
+    if ctx.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, run_dir / "config.yaml")
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
@@ -226,16 +281,27 @@ def train(cfg: DictConfig) -> dict[str, float]:
     corpus = data.load_corpus(cfg.data.source, cfg.data.path, cfg.data.max_bytes, cfg.data.val_fraction,
                               cfg.data.binary_dtype)
     length, batch = cfg.data.context_length, cfg.data.batch_size
-    train_batches = data.Batches(corpus.train, length, batch, cfg.train.seed, "train")
-    val_batches = data.Batches(corpus.val, length, batch, cfg.train.seed + 1, "validation")
+    shard = {"rank": ctx.rank, "world_size": ctx.world_size}
+    train_batches = data.Batches(corpus.train, length, batch, cfg.train.seed, "train", **shard)
+    val_batches = data.Batches(corpus.val, length, batch, cfg.train.seed + 1, "validation", **shard)
 
     model = GPT(**OmegaConf.to_container(cfg.model)).to(device)
     spec = optimizers.spec(cfg.optimizer.name)
+    # AdamW: DDP averages the gradients in backward. Second order: no DDP (torch.autograd.grad bypasses
+    # its hooks); the optimizer averages gradients, curvature products and losses itself.
+    trained = model
+    if ctx.distributed and not spec.second_order:
+        trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    else:
+        distributed.broadcast_module(model, ctx)
     o = cfg.optimizer
     settings = {"lr": o.lr, "betas": tuple(o.betas) if o.betas else None, "eps": o.eps}
     opt = optimizers.build_optimizer(model, o.name, {k: v for k, v in settings.items() if v is not None},
-                                     OmegaConf.to_container(o.kwargs), o.weight_decay, o.decay_all)
+                                     OmegaConf.to_container(o.kwargs), o.weight_decay, o.decay_all,
+                                     distributed=ctx.distributed)
     scheduler = optimizers.build_scheduler(opt, o.warmup_steps, cfg.train.steps, o.min_lr_ratio)
+    if ctx.distributed:  # the replicas start alike; dropout draws differ per rank
+        torch.manual_seed(cfg.train.seed + 7919 * ctx.rank)
 
     step = 0
     source = resume_path(cfg.train.resume, run_dir)
@@ -246,35 +312,48 @@ def train(cfg: DictConfig) -> dict[str, float]:
         if scheduler is not None:
             scheduler.load_state_dict(state["scheduler"])
         train_batches.load_state_dict(state["data"])
-        checkpoint.set_rng_state(state["rng"])
+        restore_rng(state, opt, ctx)
         step = state["step"]
 
-    def forward(inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext())
-        with autocast:
-            logits = model(inputs)
-        return cross_entropy(logits, targets), logits
+    def forward_of(module: torch.nn.Module):
+        def forward(inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype
+                        else contextlib.nullcontext())
+            with autocast:
+                logits = module(inputs)
+            return cross_entropy(logits, targets), logits
+
+        return forward
+
+    forward = forward_of(trained)
 
     def save_checkpoint() -> None:
-        state = {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                 "data": train_batches.state_dict(), "rng": checkpoint.rng_state(), "step": step,
-                 "config": OmegaConf.to_container(cfg)}
-        checkpoint.save(run_dir / "checkpoints", step, state, keep=cfg.train.keep_checkpoints)
+        rngs = distributed.gather(rng_states(opt), ctx)  # a collective: every rank takes part
+        if ctx.is_main:
+            state = {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                     "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                     "data": train_batches.state_dict(), "rng": rngs[0], "rng_ranks": rngs, "step": step,
+                     "world_size": ctx.world_size, "config": OmegaConf.to_container(cfg)}
+            checkpoint.save(run_dir / "checkpoints", step, state, keep=cfg.train.keep_checkpoints)
 
-    logger = RunLogger(run_dir, OmegaConf.to_container(cfg, resolve=True), kind=cfg.logger.kind,
-                       project=cfg.logger.project, name=cfg.name, wandb_mode=cfg.logger.wandb_mode,
-                       entity=cfg.logger.entity)
-    tokens_per_step = cfg.data.batch_size * cfg.data.context_length * cfg.train.grad_accum_steps
+    logger = None
+    if ctx.is_main:
+        logger = RunLogger(run_dir, OmegaConf.to_container(cfg, resolve=True), kind=cfg.logger.kind,
+                           project=cfg.logger.project, name=cfg.name, wandb_mode=cfg.logger.wandb_mode,
+                           entity=cfg.logger.entity)
+    tokens_per_step = cfg.data.batch_size * cfg.data.context_length * cfg.train.grad_accum_steps * ctx.world_size
+    no_sync = trained.no_sync if isinstance(trained, DistributedDataParallel) else None
     last: dict[str, float] = {}
-    bar = tqdm(total=cfg.train.steps, initial=step, disable=not cfg.train.progress, desc=cfg.name, unit="step")
+    bar = tqdm(total=cfg.train.steps, initial=step, disable=not (cfg.train.progress and ctx.is_main), desc=cfg.name,
+               unit="step")
     try:
         while step < cfg.train.steps:
             start = time.perf_counter()
             lr = {"train/lr": opt.param_groups[0]["lr"]} if "lr" in opt.param_groups[0] else {}
             micro = [tuple(t.to(device) for t in train_batches.next()) for _ in range(cfg.train.grad_accum_steps)]
             loss, stats = optimizers.train_step(opt, forward, micro, spec.second_order, spec.closure_returns_logits,
-                                                o.grad_clip)
+                                                o.grad_clip, no_sync=no_sync)
+            loss = distributed.average(loss, ctx)
             if not math.isfinite(loss):
                 raise FloatingPointError(f"training loss became {loss} at step {step + 1}")
             if scheduler is not None:
@@ -286,17 +365,21 @@ def train(cfg: DictConfig) -> dict[str, float]:
             metrics = {}
             if step % cfg.train.log_interval == 0 or step in (1, cfg.train.steps):
                 metrics.update({"train/loss": loss, "train/perplexity": math.exp(loss),
-                                "train/tokens_per_s": tokens_per_step / elapsed, **lr,
+                                "train/tokens_per_s": tokens_per_step / elapsed, "train/epoch": train_batches.epoch,
+                                **lr, **memory_metrics(device),
                                 **{f"optimizer/{k}": v for k, v in stats.items()}})
             if step % cfg.train.eval_interval == 0 or step == cfg.train.steps:
-                val = evaluate(model, forward, val_batches, cfg.train.eval_batches, device)
+                val = evaluate(model, forward_of(model), val_batches, cfg.train.eval_batches, device, ctx)
                 metrics.update({"val/loss": val, "val/perplexity": math.exp(val)})
             if metrics:
-                logger.log(step, metrics)
+                if logger is not None:
+                    logger.log(step, metrics)
                 last.update(metrics)
             if (cfg.train.checkpoint_interval and step % cfg.train.checkpoint_interval == 0) or step == cfg.train.steps:
                 save_checkpoint()
+        distributed.barrier(ctx)  # rank 0's last checkpoint and logs are written when any rank returns
     finally:
         bar.close()
-        logger.close()
+        if logger is not None:
+            logger.close()
     return last

@@ -1,0 +1,220 @@
+"""Data parallelism on the CPU (gloo, 2 processes): the optimizers on two half batches equal one process on the whole.
+
+A float64 tiny transformer with flashbob attention takes NewtonCG, SophiaH and AdaHessian steps
+on each rank's half of a batch with ``distributed=True``; the parameters must equal those of one
+process on the whole batch to float64 rounding, and agree bit for bit across the ranks. Then the
+LM recipe runs under ``torchrun --nproc_per_node=2``: rank 0 alone logs and checkpoints, two
+ranks of batch B match one process of batch 2B, and a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from optim import AdaHessian, NewtonCG, SophiaG, SophiaH
+from optim import distributed as odist
+from recipes.lm import data
+from tests.helpers import assert_matches
+from tests.models import TinyTransformer
+
+ROOT = Path(__file__).resolve().parent.parent
+WORLD = 2
+TOL = 1e-10
+
+# name -> (optimizer factory given (params, generator, distributed), steps)
+CASES = {
+    "newtoncg_ggn": (lambda p, g, d: NewtonCG(p, preconditioner="hutchinson", max_cg_iters=8, generator=g,
+                                              distributed=d), 2),
+    "newtoncg_hessian": (lambda p, g, d: NewtonCG(p, curvature="hessian", max_cg_iters=8, generator=g,
+                                                  distributed=d), 1),
+    "sophiah": (lambda p, g, d: SophiaH(p, lr=2e-2, update_period=2, generator=g, distributed=d), 3),
+    "adahessian": (lambda p, g, d: AdaHessian(p, lr=5e-2, generator=g, distributed=d), 2),
+}
+# Random draws that differ from one process's (the shared default generator; SophiaG's sampled labels):
+# the ranks must still agree exactly.
+REPLICATED = {
+    "sophiah_default_generator": (lambda p, g, d: SophiaH(p, lr=2e-2, update_period=2, distributed=d), 3),
+    "sophiag": (lambda p, g, d: SophiaG(p, lr=2e-2, update_period=2, distributed=d), 3),
+}
+
+
+def lm_batch(rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    start = torch.randint(0, 16, (rows, 1), generator=gen)
+    tokens = (start + torch.arange(13) * torch.randint(1, 3, (rows, 1), generator=gen)) % 16
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def run_case(factory, steps: int, rank: int, world: int, distributed: bool) -> dict:
+    """Initial and final parameters and the per-step losses of ``steps`` steps on this rank's rows."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny model runs faster on one thread, and the CI machine may be busy
+    try:
+        return _run_case(factory, steps, rank, world, distributed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_case(factory, steps: int, rank: int, world: int, distributed: bool) -> dict:
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab=16, d_model=16, heads=2, kv_heads=1, layers=2)
+    x, y = lm_batch()
+    rows = x.shape[0] // world
+    x, y = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
+    initial = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    opt = factory(model.parameters(), torch.Generator().manual_seed(5), distributed)
+
+    def closure():
+        logits = model(x)
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten()), logits
+
+    losses = [float(opt.step(closure)) for _ in range(steps)]
+    final = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"initial": initial, "final": final, "losses": losses, "stats": dict(opt.stats)}
+
+
+def _optimizer_worker(rank: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        results = {name: run_case(factory, steps, rank, WORLD, True)
+                   for name, (factory, steps) in {**CASES, **REPLICATED}.items()}
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ddp")
+    mp.spawn(_optimizer_worker, args=(str(tmp / "store"), str(tmp)), nprocs=WORLD, join=True)
+    return [torch.load(tmp / f"rank{r}.pt") for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_two_ranks_equal_one_process_on_the_concatenated_batch(name, two_rank_results):
+    factory, steps = CASES[name]
+    single = run_case(factory, steps, 0, 1, False)
+    for rank, result in enumerate(two_rank_results):
+        ours = result[name]
+        assert torch.equal(ours["initial"], single["initial"])
+        assert_matches(ours["final"] - ours["initial"], single["final"] - single["initial"], TOL, f"{name} rank {rank}")
+        np.testing.assert_allclose(ours["losses"], single["losses"], rtol=TOL)
+        assert ours["stats"].get("step_skipped", 0.0) == 0.0
+    if name.startswith("newtoncg"):  # the search decisions agree with one process
+        for key in ("cg_iters", "step_size", "damping"):
+            assert two_rank_results[0][name]["stats"][key] == single["stats"][key]
+
+
+@pytest.mark.parametrize("name", sorted({**CASES, **REPLICATED}))
+def test_ranks_stay_bitwise_replicated(name, two_rank_results):
+    first, second = (result[name] for result in two_rank_results)
+    assert torch.equal(first["final"], second["final"]) and not torch.equal(first["final"], first["initial"])
+    assert first["losses"] == second["losses"]
+
+
+def test_distributed_needs_an_initialised_process_group():
+    params = [torch.zeros(3, requires_grad=True)]
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        SophiaH(params, distributed=True)
+    assert odist.all_average((torch.ones(2),), None)[0].tolist() == [1.0, 1.0]
+
+
+# ------------------------------------------------------------------------------------- data split
+
+
+def test_rank_batches_are_slices_of_the_one_process_batch_and_cover_each_epoch_once():
+    tokens = np.arange(1 + 10 * 8, dtype=np.uint16)  # 10 windows of 8 tokens, + 1 for the last target
+    whole = data.Batches(tokens, 8, 4, seed=3, split="train")
+    ranks = [data.Batches(tokens, 8, 2, seed=3, split="train", rank=r, world_size=2) for r in range(2)]
+    starts = []
+    for i in range(5):  # 5 global batches of 4 windows: two epochs of 10
+        x, y = whole.get(i)
+        parts = [b.get(i) for b in ranks]
+        assert torch.equal(torch.cat([p[0] for p in parts]), x) and torch.equal(torch.cat([p[1] for p in parts]), y)
+        assert torch.equal(x[:, 1:], y[:, :-1])
+        starts += x[:, 0].tolist()
+    assert sorted(starts[:10]) == sorted(starts[10:]) == list(range(0, 80, 8)), "each epoch covers every window once"
+    assert starts[:10] != starts[10:], "epochs are shuffled afresh"
+    ranks[0].index = 3
+    resumed = data.Batches(tokens, 8, 4, seed=3, split="train")
+    resumed.load_state_dict(ranks[0].state_dict())  # 3 batches of 2 x 2 windows = 3 batches of 4
+    assert resumed.index == 3 and ranks[0].epoch == pytest.approx(1.2)
+    with pytest.raises(ValueError, match="not a multiple"):
+        data.Batches(tokens, 8, 8, seed=3, split="train").load_state_dict(ranks[0].state_dict())
+
+
+# ------------------------------------------------------------------------------- recipe + torchrun
+
+MICRO = [
+    "model.d_model=32", "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=2",
+    "data.max_bytes=60000", "data.val_fraction=0.1", "data.context_length=32", "data.batch_size=2",
+    "optimizer.lr=1e-2", "optimizer.warmup_steps=2", "train.steps=4", "train.eval_interval=4",
+    "train.eval_batches=1", "train.log_interval=1", "train.progress=false", "logger.kind=none",
+    "train.checkpoint_interval=2", "train.keep_checkpoints=0", "train.threads=1", "train.device=cpu",
+]
+
+
+def launch(tmp_path: Path, nproc: int, *overrides: str) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node=nproc -m recipes.lm`` (or plain python for one process) with MICRO settings."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    prefix = torchrun if nproc > 1 else [sys.executable]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    args = [*prefix, "-m", "recipes.lm", "--config", str(ROOT / "configs/lm/tiny.yaml"), *MICRO,
+            f"out_dir={tmp_path}", *overrides]
+    done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="needs the gloo backend")
+def test_torchrun_two_processes_match_one_with_the_global_batch_and_resume(tmp_path):
+    launch(tmp_path, 2, "name=ddp")
+    launch(tmp_path, 1, "name=single", "data.batch_size=4")
+    ddp, single = rows(tmp_path / "ddp"), rows(tmp_path / "single")
+    assert [r["step"] for r in ddp] == [1, 2, 3, 4], "rank 0 alone writes the log"
+    assert ddp[0]["train/tokens_per_s"] > 0
+    for a, b in zip(ddp, single):  # DDP's averaged gradients = the 2B batch's, up to float32 rounding
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4)
+    assert ddp[-1]["val/loss"] == pytest.approx(single[-1]["val/loss"], rel=1e-4)
+    saved = torch.load(tmp_path / "ddp" / "checkpoints" / "step_00000002.pt", weights_only=True)
+    assert saved["world_size"] == 2 and len(saved["rng_ranks"]) == 2
+    assert not any(k.startswith("module.") for k in saved["model"]), "the checkpoint holds the bare model"
+
+    halfway = tmp_path / "ddp" / "checkpoints" / "step_00000002.pt"
+    launch(tmp_path, 2, "name=resumed", f"train.resume={halfway}")
+    resumed = rows(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert [r["train/loss"] for r in resumed] == [r["train/loss"] for r in ddp[2:]]
+    final = [torch.load(tmp_path / run / "checkpoints" / "step_00000004.pt", weights_only=True)["model"]
+             for run in ("ddp", "resumed")]
+    assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="needs the gloo backend")
+def test_torchrun_second_order_optimizer_runs_replicated_with_one_wandb_run(tmp_path):
+    settings = ("optimizer.name=sophiah", "optimizer.lr=1e-3", "optimizer.kwargs={update_period: 2}",
+                "train.steps=3", "train.eval_interval=3", "logger.kind=wandb")
+    launch(tmp_path, 2, "name=ddp", *settings)
+    ddp = rows(tmp_path / "ddp")
+    assert [r["step"] for r in ddp] == [1, 2, 3], "rank 0 alone writes the log"
+    assert len(list((tmp_path / "ddp" / "wandb").glob("offline-run-*"))) == 1
+    assert all(np.isfinite(r["train/loss"]) and "optimizer/clip_fraction" in r for r in ddp)
+    saved = torch.load(tmp_path / "ddp" / "checkpoints" / "step_00000002.pt", weights_only=True)
+    probe_states = [state["optimizer"] for state in saved["rng_ranks"]]
+    assert probe_states[0] is not None and torch.equal(probe_states[0], probe_states[1]), "probes alike on all ranks"
