@@ -1,0 +1,1 @@
+"""Pieces the meta-learning and test-time-training recipes share: config loading and a small transformer."""

@@ -1,0 +1,75 @@
+"""Structured OmegaConf configs as in :mod:`recipes.lm.train`: schema defaults, then a YAML file, then
+``key=value`` overrides; unknown keys, wrong types and bad values raise :class:`ConfigError` naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from recipes.lm import checkpoint
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the key."""
+
+
+def load(schema: type, path: str | None, overrides: Iterable[str]) -> DictConfig:
+    """``schema``'s defaults, updated by the YAML file ``path`` and then by ``key=value`` ``overrides``.
+
+    ``logger: none`` is accepted as shorthand for ``logger.kind: none``.
+    """
+    try:
+        sources = [OmegaConf.load(path)] if path else []
+        sources.append(OmegaConf.from_dotlist(list(overrides)))
+        for source in sources:
+            if isinstance(source.get("logger"), str):
+                source.logger = {"kind": source.logger}
+        return OmegaConf.merge(OmegaConf.structured(schema), *sources)
+    except OmegaConfBaseException as error:
+        key = getattr(error, "full_key", None)
+        message = str(getattr(error, "msg", error)).splitlines()[0]
+        raise ConfigError(f"bad config key {key!r}: {message}" if key else f"bad config: {message}") from None
+
+
+def check(cfg: DictConfig, choices: dict[str, tuple], positive: Iterable[str] = (),
+          non_negative: Iterable[str] = ()) -> None:
+    """Raise :class:`ConfigError` for a value outside its ``choices``, or not > 0 / >= 0."""
+    for key, allowed in choices.items():
+        if OmegaConf.select(cfg, key) not in allowed:
+            got = OmegaConf.select(cfg, key)
+            raise ConfigError(f"{key} must be one of {', '.join(map(str, allowed))}; got {got!r}")
+    for key in positive:
+        if not OmegaConf.select(cfg, key) > 0:
+            raise ConfigError(f"{key} must be > 0, got {OmegaConf.select(cfg, key)}")
+    for key in non_negative:
+        if not OmegaConf.select(cfg, key) >= 0:
+            raise ConfigError(f"{key} must be >= 0, got {OmegaConf.select(cfg, key)}")
+
+
+def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype | None]:
+    """The device (``auto``: CUDA if available) and the autocast dtype (``None``: no autocast;
+    ``auto``: bfloat16 on CUDA, none elsewhere)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    return torch.device(device), (torch.bfloat16 if dtype == "bfloat16" else None)
+
+
+def resume_path(resume: str | None, run_dir: Path) -> Path | None:
+    """The checkpoint ``train.resume`` names: ``auto`` is this run's newest (or none yet)."""
+    if resume is None:
+        return None
+    target = run_dir / "checkpoints" if resume == "auto" else Path(resume)
+    if target.is_dir():
+        found = checkpoint.latest(target)
+        if found is None and resume != "auto":
+            raise FileNotFoundError(f"train.resume: no checkpoint in {target}")
+        return found
+    if not target.is_file():
+        raise FileNotFoundError(f"train.resume: {target} does not exist")
+    return target

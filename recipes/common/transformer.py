@@ -1,0 +1,147 @@
+"""A small pre-norm transformer whose attention is :func:`flashbob.attention` or naive eager attention.
+
+Every projection is a plain matrix applied as ``x @ W``, so a weight may be replaced (through
+:func:`torch.func.functional_call` or torchopt's meta-optimizers) by a tensor with a leading batch
+dimension, ``(batch, in, out)``: each sequence of the batch then runs with its own copy. This is how
+test-time training gives every sequence its own fast weights in one batched forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+import flashbob
+from flashbob import reference
+
+ATTENTION = ("flashbob", "eager")
+BACKENDS = ("auto", "triton", "blocked")
+
+
+def attention_function(kind: str, backend: str = "auto") -> Callable[..., torch.Tensor]:
+    """``flashbob``: :func:`flashbob.attention` on ``backend`` (twice differentiable, no ``N x N`` tensor);
+    ``eager``: :func:`flashbob.reference.attention` (materialises the scores, PyTorch autograd)."""
+    if kind == "flashbob":
+        return lambda q, k, v, causal: flashbob.attention(q, k, v, causal=causal, backend=backend)
+    if kind == "eager":
+        return lambda q, k, v, causal: reference.attention(q, k, v, causal=causal)
+    raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {kind!r}")
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """float32 for half-precision inputs, the input's own dtype otherwise (float64 stays float64)."""
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+
+class RMSNorm(nn.Module):
+    r""":math:`y = x / \sqrt{\mathrm{mean}(x^2) + \epsilon} \cdot w`, statistics in at least float32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(compute_dtype(x))
+        return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rotate(x: torch.Tensor, base: float) -> torch.Tensor:
+    r"""Rotary position embedding of ``x`` ``(batch, heads, seq, head_dim)``: channel pair
+    :math:`(x_i, x_{i + d/2})` at position :math:`t` turns by :math:`t\, \mathrm{base}^{-2i/d}`
+    (angles in at least float32; float64 inputs stay float64, so exactness tests are exact)."""
+    n, d = x.shape[-2], x.shape[-1]
+    dtype = compute_dtype(x)
+    inv_freq = base ** (-torch.arange(0, d, 2, device=x.device, dtype=dtype) / d)
+    angles = torch.outer(torch.arange(n, device=x.device, dtype=dtype), inv_freq)
+    cos, sin = angles.cos(), angles.sin()
+    x1, x2 = x.to(dtype).chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def matrix(fan_in: int, fan_out: int, gain: float = 1.0) -> nn.Parameter:
+    """A ``(fan_in, fan_out)`` weight drawn from :math:`\\mathcal{N}(0, \\mathrm{gain}^2 / \\mathrm{fan\\_in})`."""
+    return nn.Parameter(torch.randn(fan_in, fan_out) * gain / math.sqrt(fan_in))
+
+
+class SelfAttention(nn.Module):
+    """Fused query/key/value projection, rotary positions, attention, output projection."""
+
+    def __init__(self, d_model: int, n_heads: int, causal: bool, rope_base: float, attend: Callable, out_gain: float):
+        super().__init__()
+        self.n_heads, self.causal, self.rope_base, self.attend = n_heads, causal, rope_base, attend
+        self.qkv = matrix(d_model, 3 * d_model)
+        self.out = matrix(d_model, d_model, out_gain)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = rearrange(x @ self.qkv, "b n (three h d) -> three b h n d", three=3, h=self.n_heads)
+        q, k = rotate(q, self.rope_base), rotate(k, self.rope_base)
+        o = self.attend(q, k, v, self.causal)
+        return rearrange(o, "b h n d -> b n (h d)") @ self.out
+
+
+class MLP(nn.Module):
+    """``gelu(x W_up) W_down``."""
+
+    def __init__(self, d_model: int, hidden: int, out_gain: float):
+        super().__init__()
+        self.up = matrix(d_model, hidden)
+        self.down = matrix(hidden, d_model, out_gain)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x @ self.up) @ self.down
+
+
+class Block(nn.Module):
+    """``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, d_model: int, n_heads: int, mlp_ratio: float, causal: bool, rope_base: float,
+                 attend: Callable, out_gain: float):
+        super().__init__()
+        self.norm1, self.norm2 = RMSNorm(d_model), RMSNorm(d_model)
+        self.attn = SelfAttention(d_model, n_heads, causal, rope_base, attend, out_gain)
+        self.mlp = MLP(d_model, round(mlp_ratio * d_model), out_gain)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Transformer(nn.Module):
+    """Token embedding, ``n_layers`` blocks, final norm and a linear head.
+
+    ``readout="tokens"``: logits ``(batch, seq, n_outputs)`` at every position (a language model when
+    ``causal``); ``readout="mean"``: logits ``(batch, n_outputs)`` of the mean-pooled sequence (a
+    sequence classifier).
+    """
+
+    def __init__(self, *, vocab_size: int, n_outputs: int, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
+                 mlp_ratio: float = 4.0, causal: bool = True, readout: str = "tokens", rope_base: float = 10000.0,
+                 attention: str = "flashbob", backend: str = "auto"):
+        super().__init__()
+        if d_model % n_heads or (d_model // n_heads) % 2:
+            raise ValueError(f"d_model ({d_model}) must be n_heads ({n_heads}) times an even head dimension")
+        if readout not in ("tokens", "mean"):
+            raise ValueError(f"readout must be 'tokens' or 'mean', got {readout!r}")
+        attend = attention_function(attention, backend)
+        self.readout = readout
+        self.embed = nn.Parameter(torch.randn(vocab_size, d_model))
+        out_gain = 1 / math.sqrt(2 * n_layers)  # residual branches scaled down with depth
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, mlp_ratio, causal, rope_base, attend, out_gain)
+                                    for _ in range(n_layers))
+        self.norm = RMSNorm(d_model)
+        self.head = matrix(d_model, n_outputs)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(tokens, self.embed)
+        for block in self.blocks:
+            x = block(x)
+        x = self.norm(x)
+        if self.readout == "mean":
+            x = x.mean(dim=1)
+        return x @ self.head
