@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from collections.abc import Iterator
 
@@ -80,6 +81,7 @@ def fits(kernel: str, config: BlockConfig, head_dim: int, dtype: torch.dtype) ->
     return words / (32 * config.num_warps) <= MAX_REGISTERS_PER_THREAD and shared <= MAX_SHARED_BYTES
 
 
+@functools.lru_cache(maxsize=None)
 def candidates(kernel: str, head_dim: int, dtype: torch.dtype, length: int) -> tuple[BlockConfig, ...]:
     """The space of ``kernel`` for this head_dim, dtype and sequence length, pruned to what fits.
 
