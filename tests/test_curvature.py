@@ -583,3 +583,29 @@ def test_to_scipy_matches_the_dense_hessian(mlp: Problem, mlp_hessian: Tensor) -
     np.testing.assert_allclose(scipy_op.matvec(x[:, 0]), mlp_hessian.numpy() @ x[:, 0], rtol=1e-9, atol=1e-11)
     (top,) = eigsh(scipy_op, k=1, which="LA", return_eigenvectors=False)
     assert top == pytest.approx(float(torch.linalg.eigvalsh(mlp_hessian)[-1]), rel=1e-8)
+
+
+def test_products_through_the_triton_kernels_match_naive_attention() -> None:
+    """HVP and GGN products of a GQA transformer whose attention runs the Triton kernels (in the
+    interpreter) equal those of the same weights with naive attention, in float64."""
+    torch.manual_seed(1)
+    config = dict(vocab=7, d_model=8, heads=4, kv_heads=2, layers=1, causal=True, max_len=5)
+    def kernels(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+        return flashbob.attention(q, k, v, causal=causal, backend="triton")
+
+    model = TinyTransformer(**config, attention=kernels)
+    naive = TinyTransformer(**config, attention=flashbob.reference.attention)
+    naive.load_state_dict(model.state_dict())
+    tokens, targets = torch.randint(0, 7, (2, 5)), torch.randint(0, 7, (2, 5))
+    vec = [torch.randn_like(p) for p in model.parameters()]
+
+    def products(net: nn.Module) -> Tensor:
+        params = list(net.parameters())
+        logits = net(tokens)
+        hv = hvp(lm_cross_entropy(logits, targets), params, vec, retain_graph=True)
+        gv = ggnvp(logits, params, vec, CrossEntropyHessian(targets))
+        return torch.cat([flatten(hv), flatten(gv)])
+
+    got, want = products(model), products(naive)
+    assert want.norm() > 0
+    assert ((got - want).norm() / want.norm()).item() < 1e-10
