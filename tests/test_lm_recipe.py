@@ -14,7 +14,8 @@ from wandb.proto import wandb_internal_pb2
 from recipes.lm import checkpoint, data, optimizers
 from recipes.lm.__main__ import main
 from recipes.lm.model import GPT, cross_entropy
-from recipes.lm.train import ConfigError, load_config, resume_path, train
+from recipes.common.config import resume_path
+from recipes.lm.train import ConfigError, load_config, train
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "lm"
 MICRO = [

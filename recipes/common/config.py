@@ -1,4 +1,4 @@
-"""Structured OmegaConf configs as in :mod:`recipes.lm.train`: schema defaults, then a YAML file, then
+"""Config loading shared by the recipes: structured OmegaConf schema defaults, then a YAML file, then
 ``key=value`` overrides; unknown keys, wrong types and bad values raise :class:`ConfigError` naming the key."""
 
 from __future__ import annotations

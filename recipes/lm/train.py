@@ -33,10 +33,11 @@ from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from recipes.common import config as configs
+from recipes.common.config import ConfigError
 from recipes.lm import checkpoint, data, distributed, optimizers
 from recipes.lm.logger import RunLogger
 from recipes.lm.model import GPT, cross_entropy
@@ -120,10 +121,6 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the key."""
-
-
 CHOICES = {
     "model.norm": ("rmsnorm", "layernorm"),
     "model.mlp": ("swiglu", "gelu"),
@@ -145,15 +142,7 @@ NON_NEGATIVE = ("optimizer.weight_decay", "optimizer.grad_clip", "optimizer.warm
 
 def validate(cfg: DictConfig) -> None:
     """Raise :class:`ConfigError` for values the schema's types allow but the recipe cannot run."""
-    for key, allowed in CHOICES.items():
-        if OmegaConf.select(cfg, key) not in allowed:
-            raise ConfigError(f"{key} must be one of {', '.join(allowed)}; got {OmegaConf.select(cfg, key)!r}")
-    for key in POSITIVE:
-        if not OmegaConf.select(cfg, key) > 0:
-            raise ConfigError(f"{key} must be > 0, got {OmegaConf.select(cfg, key)}")
-    for key in NON_NEGATIVE:
-        if not OmegaConf.select(cfg, key) >= 0:
-            raise ConfigError(f"{key} must be >= 0, got {OmegaConf.select(cfg, key)}")
+    configs.check(cfg, CHOICES, POSITIVE, NON_NEGATIVE)
     m = cfg.model
     if m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2:
         raise ConfigError(f"model.d_model ({m.d_model}) must be model.n_heads ({m.n_heads}) times an even head_dim")
@@ -175,45 +164,9 @@ def validate(cfg: DictConfig) -> None:
 
 def load_config(path: str | None = None, overrides: list[str] = ()) -> DictConfig:
     """The schema's defaults, updated by the YAML file ``path`` and then by ``key=value`` ``overrides``."""
-    try:
-        sources = [OmegaConf.load(path)] if path else []
-        sources.append(OmegaConf.from_dotlist(list(overrides)))
-        for source in sources:  # `logger: none` is shorthand for `logger.kind: none`
-            if isinstance(source.get("logger"), str):
-                source.logger = {"kind": source.logger}
-        cfg = OmegaConf.merge(OmegaConf.structured(Config), *sources)
-    except OmegaConfBaseException as error:
-        key = getattr(error, "full_key", None)
-        message = str(getattr(error, "msg", error)).splitlines()[0]
-        raise ConfigError(f"bad config key {key!r}: {message}" if key else f"bad config: {message}") from None
+    cfg = configs.load(Config, path, overrides)
     validate(cfg)
     return cfg
-
-
-def resolve_device(cfg: DictConfig) -> tuple[torch.device, torch.dtype | None]:
-    """The device, and the autocast dtype (``None``: no autocast)."""
-    name = cfg.train.device
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = cfg.train.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if name == "cuda" else "float32"
-    return torch.device(name), (torch.bfloat16 if dtype == "bfloat16" else None)
-
-
-def resume_path(resume: str | None, run_dir: Path) -> Path | None:
-    """The checkpoint ``train.resume`` names: ``auto`` is this run's newest (or none yet)."""
-    if resume is None:
-        return None
-    target = run_dir / "checkpoints" if resume == "auto" else Path(resume)
-    if target.is_dir():
-        found = checkpoint.latest(target)
-        if found is None and resume != "auto":
-            raise FileNotFoundError(f"train.resume: no checkpoint in {target}")
-        return found
-    if not target.is_file():
-        raise FileNotFoundError(f"train.resume: {target} does not exist")
-    return target
 
 
 @torch.no_grad()
@@ -260,7 +213,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     Under ``torchrun`` every process calls this; see the module docstring.
     """
     run_dir = Path(cfg.out_dir) / cfg.name
-    device, autocast_dtype = resolve_device(cfg)
+    device, autocast_dtype = configs.resolve_device(cfg.train.device, cfg.train.dtype)
     ctx = distributed.setup(device.type)
     device = ctx.device if device.type == "cuda" else device
     try:
@@ -304,7 +257,7 @@ def _train(cfg: DictConfig, run_dir: Path, ctx: distributed.Context, device: tor
         torch.manual_seed(cfg.train.seed + 7919 * ctx.rank)
 
     step = 0
-    source = resume_path(cfg.train.resume, run_dir)
+    source = configs.resume_path(cfg.train.resume, run_dir)
     if source is not None:
         state = checkpoint.load(source)
         model.load_state_dict(state["model"])
