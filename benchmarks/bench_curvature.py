@@ -48,7 +48,8 @@ def workload(name, model, tokens, targets):
 
     def ggn():
         logits, _ = forward()
-        return optim.ggnvp(logits, params, vec, optim.CrossEntropyHessian(targets.reshape(logits.shape[:-1])))
+        loss_hessian = optim.CrossEntropyHessian(targets.reshape(logits.shape[:-1]))
+        return optim.ggnvp(None, logits, params, vec, loss_hessian)
 
     return {"grad": grad, "hvp": hvp, "ggn": ggn}[name]
 

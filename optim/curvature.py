@@ -283,19 +283,49 @@ class GGNOperator(CurvatureOperator):
         return self.vjp(self.loss_hessian(self.outputs.detach(), self.jvp(vec)))
 
 
-def ggnvp(outputs: Tensor, params: Tensors, vec: Tensors, loss_hessian: LossHessian) -> tuple[Tensor, ...]:
+class LossGraphHessian:
+    r"""The Hessian of an already computed ``loss`` w.r.t. the ``outputs`` it was computed from,
+    by double backward through the loss's own graph: :math:`H_L u = \nabla_z (\nabla_z L^\top u)`.
+
+    The gradient :math:`\nabla_z L` is formed once (``create_graph=True``); each product is one
+    more vector-Jacobian product on it. Used by :func:`ggnvp` when no closed form is given.
+    """
+
+    def __init__(self, loss: Tensor, outputs: Tensor) -> None:
+        self.outputs = outputs
+        (self.gradient,) = _vjp([loss], [outputs], [None], retain_graph=True, create_graph=True)
+
+    def __call__(self, outputs: Tensor, vec: Tensor) -> Tensor:
+        """Return :math:`H_L u`; ``outputs`` is ignored (the product runs on the loss's own graph)."""
+        return _vjp([self.gradient], [self.outputs], [vec], retain_graph=True)[0]
+
+
+def ggnvp(
+    loss: Tensor | None,
+    outputs: Tensor,
+    params: Tensors,
+    vec: Tensors,
+    loss_hessian: LossHessian | None = None,
+) -> tuple[Tensor, ...]:
     r"""Generalised Gauss-Newton-vector product :math:`G v = J^\top H_L J v` (see :class:`GGNOperator`).
 
     Args:
-        outputs: Model outputs :math:`z(\theta)` with an autograd graph to ``params``; the graph is
-            kept (the loss is usually computed from the same outputs).
+        loss: The scalar loss computed from ``outputs``; :math:`H_L` is its Hessian w.r.t. the
+            outputs, by double backward through its graph, unless ``loss_hessian`` gives a closed
+            form (then ``loss`` may be None). Its graph is kept.
+        outputs: Model outputs :math:`z(\theta)` with an autograd graph to ``params``; the graph is kept.
         params: Parameters :math:`\theta`; those that do not require grad have zero rows and columns.
         vec: :math:`v`, one tensor shaped like each parameter.
-        loss_hessian: :math:`u \mapsto H_L u`, e.g. ``CrossEntropyHessian(targets)``.
+        loss_hessian: :math:`u \mapsto H_L u` in closed form, e.g. ``CrossEntropyHessian(targets)``
+            or ``MSEHessian()`` (faster than autograd).
 
     Returns:
         :math:`G v`, one tensor per parameter.
     """
+    if loss_hessian is None:
+        if loss is None:
+            raise ValueError("ggnvp needs the loss, or a closed-form loss_hessian such as CrossEntropyHessian(targets)")
+        loss_hessian = LossGraphHessian(loss, outputs)
     return GGNOperator(outputs, params, loss_hessian).matvec(vec)
 
 

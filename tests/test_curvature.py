@@ -407,8 +407,21 @@ def test_cross_entropy_hessian_with_every_target_ignored_is_zero() -> None:
 
 def test_ggnvp_matches_dense_jacobian_product(problem: Problem) -> None:
     vec = problem.random_vec()
-    product = ggnvp(problem.outputs(), problem.params, vec, problem.loss_hessian)
+    product = ggnvp(None, problem.outputs(), problem.params, vec, problem.loss_hessian)
     torch.testing.assert_close(flatten(product), problem.dense_ggn() @ flatten(vec), **TOL)
+
+
+def test_ggnvp_from_the_loss_graph_matches_dense_jacobian_product(problem: Problem) -> None:
+    """Without a closed form, H_L comes from double backward through the loss's own graph."""
+    vec = problem.random_vec()
+    outputs = problem.outputs()
+    product = ggnvp(problem.loss_fn(outputs, problem.targets), outputs, problem.params, vec)
+    torch.testing.assert_close(flatten(product), problem.dense_ggn() @ flatten(vec), **TOL)
+
+
+def test_ggnvp_needs_a_loss_or_a_loss_hessian(mlp: Problem) -> None:
+    with pytest.raises(ValueError, match="needs the loss, or a closed-form loss_hessian"):
+        ggnvp(None, mlp.outputs(), mlp.params, mlp.random_vec())
 
 
 def test_ggn_with_autograd_loss_hessian_matches_closed_form(problem: Problem) -> None:
@@ -603,7 +616,7 @@ def test_products_through_the_triton_kernels_match_naive_attention() -> None:
         params = list(net.parameters())
         logits = net(tokens)
         hv = hvp(lm_cross_entropy(logits, targets), params, vec, retain_graph=True)
-        gv = ggnvp(logits, params, vec, CrossEntropyHessian(targets))
+        gv = ggnvp(None, logits, params, vec, CrossEntropyHessian(targets))
         return torch.cat([flatten(hv), flatten(gv)])
 
     got, want = products(model), products(naive)
