@@ -2,6 +2,9 @@
 
 from flashbob import reference
 from flashbob.attention import attention
+from flashbob.dropin import FallbackError, FallbackWarning, patch_sdpa, sdpa, set_strict
 
 __version__ = "0.1.0"
-__all__ = ["attention", "reference", "__version__"]
+__all__ = [
+    "attention", "sdpa", "patch_sdpa", "set_strict", "FallbackWarning", "FallbackError", "reference", "__version__",
+]

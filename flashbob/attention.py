@@ -110,6 +110,29 @@ def check_options(causal: bool, scale: float | None) -> None:
         raise ValueError(f"scale must be a finite number, got {scale}")
 
 
+def check_key_mask(key_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """Validate a key-padding mask and return it as a contiguous ``(batch, M)`` bool tensor (or None).
+
+    Accepted: a bool tensor broadcastable to ``(batch, M)`` (True = the key takes part).
+    """
+    if key_mask is None:
+        return None
+    if not isinstance(key_mask, torch.Tensor):
+        raise TypeError(f"key_mask must be a bool torch.Tensor or None, got {type(key_mask).__name__}")
+    if key_mask.dtype != torch.bool:
+        raise TypeError(f"key_mask must be a bool tensor (True = keep the key), got {key_mask.dtype}")
+    batch, m = q.shape[0], k.shape[2]
+    try:
+        fits = key_mask.dim() <= 2 and torch.broadcast_shapes(key_mask.shape, (batch, m)) == (batch, m)
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"key_mask must broadcast to (batch, M) = {(batch, m)}, got shape {tuple(key_mask.shape)}")
+    if key_mask.device != q.device:
+        raise ValueError(f"key_mask is on {key_mask.device} but q is on {q.device}")
+    return key_mask.expand(batch, m).contiguous()
+
+
 def check_triton_limits(q: torch.Tensor, k: torch.Tensor) -> None:
     """Raise a ValueError for shapes the Triton kernels cannot launch, naming the blocked backend as a way out."""
     from flashbob.kernels.common import MAX_HEAD_DIM
@@ -134,6 +157,7 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     backend: BackendName = "auto",
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     r"""Softmax attention that can be differentiated twice, exactly and without an ``N x M`` tensor.
 
@@ -148,6 +172,9 @@ def attention(
         scale: softmax scale :math:`\tau`, a finite number (zero and negative are allowed); ``None``
             means ``1 / sqrt(head_dim)``.
         backend: ``"auto"`` (Triton kernels on CUDA, blocked PyTorch elsewhere), ``"triton"`` or ``"blocked"``.
+        key_mask: optional bool key-padding mask broadcastable to ``(batch, M)``, True where a key takes
+            part (combines with ``causal``). Masked keys get zero ``dK``, ``dV``; a query that sees no
+            key at all gets a zero output row and zero gradients (never NaN).
 
     Returns:
         ``O``, shaped and typed like ``q``. Its backward, taken with ``create_graph=True``, is
@@ -165,10 +192,11 @@ def attention(
     """
     check_inputs(q, k, v)
     check_options(causal, scale)
+    key_mask = check_key_mask(key_mask, q, k)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     chosen = select_backend(q, backend)
     if chosen.name == "triton":
         check_triton_limits(q, k)
-    o, _lse = Attention.apply(q, k, v, causal, float(scale), chosen)
+    o, _lse = Attention.apply(q, k, v, key_mask, causal, float(scale), chosen)
     return o

@@ -19,6 +19,10 @@ of ``lse``) instead of trusting ``exp(S - lse)`` to sum to one: when scores are 
 in float32, where ``lse`` is rounded by ~1e-3) an unnormalised ``P`` makes ``rowsum(dS)`` non-zero,
 and a component shared by all keys then leaks into ``dQ`` and BoB's outputs. Row sweeps see whole
 rows and compute ``σ`` themselves; BoB's column sweep reads the ``σ`` its row sweep stored.
+
+An optional boolean key-padding mask ``key_mask`` ``(batch, M)`` (True = keep) sets the scores of
+masked keys to ``-inf``. A row that sees no key gets ``lse = +inf`` (so that every later
+``P = exp(S - lse)`` is 0) and ``σ = 1``: its output and all its gradients are exactly zero.
 """
 
 from __future__ import annotations
@@ -61,22 +65,31 @@ def _sum_group(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return x.sum(dim=2).to(like.dtype)
 
 
-def _scores(q, k, rows: slice, cols: slice, causal: bool, scale: float) -> torch.Tensor:
-    """Scaled scores ``τ Q[rows] K[cols]ᵀ`` of one panel, ``-inf`` where the causal mask hides a key."""
+def _scores(q, k, rows: slice, cols: slice, causal: bool, scale: float, key_mask=None) -> torch.Tensor:
+    """Scaled scores ``τ Q[rows] K[cols]ᵀ`` of one panel, ``-inf`` where the causal or key mask hides a key."""
     s = scale * q[..., rows, :] @ k[..., cols, :].transpose(-1, -2)
     if causal:
         i = torch.arange(rows.start, rows.stop, device=s.device)[:, None]
         j = torch.arange(cols.start, cols.stop, device=s.device)[None, :]
         s = s.masked_fill(j > i, float("-inf"))
+    if key_mask is not None:
+        s = s.masked_fill(~key_mask[:, None, None, None, cols], float("-inf"))
     return s
 
 
 def _probabilities(s: torch.Tensor, lse: torch.Tensor, sigma: torch.Tensor | None = None):
-    """``P = exp(S - lse) / σ`` and ``σ``, computed from the panel (which must hold whole rows) when not given."""
+    """``P = exp(S - lse) / σ`` and ``σ``, computed from the panel (which must hold whole rows) when not given.
+    Rows without a visible key have ``P = 0`` and ``σ = 1``."""
     p = torch.exp(s - lse[..., None])
     if sigma is None:
         sigma = p.sum(-1)
+        sigma = torch.where(sigma == 0, torch.ones_like(sigma), sigma)  # no visible key (NaN stays NaN)
     return p / sigma[..., None], sigma
+
+
+def _key_mask(key_mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """The ``(batch, M)`` boolean key mask on ``q``'s device, or None."""
+    return None if key_mask is None else key_mask.to(device=q.device, dtype=torch.bool)
 
 
 def _visible_keys(rows: slice, m: int, causal: bool) -> slice:
@@ -94,24 +107,30 @@ def _panels(length: int, size: int):
         yield slice(start, min(start + size, length))
 
 
-def forward(q, k, v, *, causal: bool, scale: float, block: int | None = None):
-    """Attention output ``O = softmax(S) V`` and ``lse = logsumexp_row(S)``, one row panel at a time."""
+def forward(q, k, v, *, causal: bool, scale: float, block: int | None = None, key_mask=None):
+    """Attention output ``O = softmax(S) V`` and ``lse = logsumexp_row(S)``, one row panel at a time
+    (``lse = +inf`` and ``O = 0`` for rows that see no key)."""
     dtype = _compute_dtype(q)
+    key_mask = _key_mask(key_mask, q)
     kv_heads, n, m = k.shape[1], q.shape[2], k.shape[2]
     qg, kg, vg = _grouped(q, kv_heads, dtype), _kv(k, dtype), _kv(v, dtype)
     o = torch.empty_like(qg)
     lse = torch.empty(qg.shape[:-1], dtype=dtype, device=q.device)
     for rows in _panels(n, panel_size(n, m, qg.shape[:3].numel(), block)):
         cols = _visible_keys(rows, m, causal)
-        s = _scores(qg, kg, rows, cols, causal, scale)
-        lse[..., rows] = torch.logsumexp(s, dim=-1)
+        s = _scores(qg, kg, rows, cols, causal, scale, key_mask)
+        panel_lse = torch.logsumexp(s, dim=-1)
+        if key_mask is not None:  # no visible key: lse = -inf -> +inf, so that P = exp(S - lse) = 0
+            panel_lse = panel_lse.masked_fill(panel_lse == float("-inf"), float("inf"))
+        lse[..., rows] = panel_lse
         o[..., rows, :] = _probabilities(s, lse[..., rows])[0] @ vg[..., cols, :]
     return _ungroup(o, q), rearrange(lse, "b h g n -> b (h g) n")
 
 
-def backward(q, k, v, o, lse, do, *, causal: bool, scale: float, block: int | None = None):
+def backward(q, k, v, o, lse, do, *, causal: bool, scale: float, block: int | None = None, key_mask=None):
     """First backward ``(dQ, dK, dV, Δ)``: ``dV = Pᵀ dO``, ``dQ = τ dS K``, ``dK = τ dSᵀ Q``."""
     dtype = _compute_dtype(q)
+    key_mask = _key_mask(key_mask, q)
     kv_heads, n, m = k.shape[1], q.shape[2], k.shape[2]
     qg, kg, vg = _grouped(q, kv_heads, dtype), _kv(k, dtype), _kv(v, dtype)
     dog, og = _grouped(do, kv_heads, dtype), _grouped(o, kv_heads, dtype)
@@ -122,7 +141,7 @@ def backward(q, k, v, o, lse, do, *, causal: bool, scale: float, block: int | No
     dv = torch.zeros_like(dk)
     for rows in _panels(n, panel_size(n, m, qg.shape[:3].numel(), block)):
         cols = _visible_keys(rows, m, causal)
-        p, _ = _probabilities(_scores(qg, kg, rows, cols, causal, scale), lseg[..., rows])
+        p, _ = _probabilities(_scores(qg, kg, rows, cols, causal, scale, key_mask), lseg[..., rows])
         dp = dog[..., rows, :] @ vg[..., cols, :].transpose(-1, -2)
         ds = p * (dp - delta[..., rows, None])
         dq[..., rows, :] = scale * ds @ kg[..., cols, :]
@@ -156,7 +175,8 @@ def _bob_panel(t: dict, rows: slice, cols: slice, causal: bool, scale: float):
         G_S  = P ∘ ((dP - Δ) ∘ Ā - A dP + B̄ - C)
     """
     sigma = t["sigma"][..., rows] if "sigma" in t else None
-    p, sigma = _probabilities(_scores(t["q"], t["k"], rows, cols, causal, scale), t["lse"][..., rows], sigma)
+    scores = _scores(t["q"], t["k"], rows, cols, causal, scale, t["key_mask"])
+    p, sigma = _probabilities(scores, t["lse"][..., rows], sigma)
     delta = t["delta"][..., rows, None]
     dp = t["do"][..., rows, :] @ t["v"][..., cols, :].transpose(-1, -2)
     ds = p * (dp - delta)
@@ -179,7 +199,10 @@ def _bob_panel(t: dict, rows: slice, cols: slice, causal: bool, scale: float):
     return p, ds, p * inner, None if a_bar is None else p * a_bar, a, c, sigma
 
 
-def bob(q, k, v, do, o, lse, delta, dq_bar, dk_bar, dv_bar, *, causal: bool, scale: float, block: int | None = None):
+def bob(
+    q, k, v, do, o, lse, delta, dq_bar, dk_bar, dv_bar, *, causal: bool, scale: float, block: int | None = None,
+    key_mask=None,
+):
     """Backward-over-backward: the cotangents ``(Q̄, K̄, V̄, dŌ)`` of ``(Q, K, V, dO)``.
 
     Inputs are the backward's inputs, its saved ``O``, ``lse``, ``Δ`` (constants: the formulas
@@ -199,6 +222,7 @@ def bob(q, k, v, do, o, lse, delta, dq_bar, dk_bar, dv_bar, *, causal: bool, sca
         "lse": _grouped(lse, kv_heads, dtype), "delta": _grouped(delta, kv_heads, dtype),
         "u_bar": _grouped(dq_bar, kv_heads, dtype),
         "k": _kv(k, dtype), "v": _kv(v, dtype), "w_bar": _kv(dk_bar, dtype), "z_bar": _kv(dv_bar, dtype),
+        "key_mask": _key_mask(key_mask, q),
     }
     og = _grouped(o, kv_heads, dtype)
     q_bar, do_bar = torch.zeros_like(t["q"]), torch.zeros_like(t["do"])

@@ -13,6 +13,8 @@ from .common import (
     dot_precision,
     head_dim_block,
     head_pointer,
+    key_mask_operand,
+    key_mask_pointer,
     load_tile,
     operand,
     probabilities,
@@ -43,8 +45,9 @@ def _delta_kernel(
 @triton.jit
 def _dkdv_inner(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qn, stride_don, keys, start, end, N, qk_scale,
+    key_mask_base, M,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASK_CAUSAL: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
     r"""Add query rows ``[start, end)`` of one query head to a key block's
     :math:`dV_j = \sum_i P_{ij}\, dO_i` and :math:`dK_j / \tau = \sum_i dS_{ij}\, Q_i`, with
@@ -55,7 +58,9 @@ def _dkdv_inner(
         do = load_tile(do_base, rows, N, stride_don, HEAD_DIM, BLOCK_D)
         lse2 = tl.load(lse_base + rows, mask=rows < N, other=float("inf")) * LOG2E
         delta = tl.load(delta_base + rows, mask=rows < N, other=0.0)
-        p_t = probabilities_transposed(k, q, lse2, rows, keys, qk_scale, MASK_CAUSAL, PRECISION)
+        p_t = probabilities_transposed(
+            k, q, lse2, rows, keys, qk_scale, MASK_CAUSAL, PRECISION, key_mask_base, M, HAS_KEY_MASK
+        )
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -68,9 +73,9 @@ def _dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-    heads, kv_heads, group, N, M, qk_scale, scale,
+    heads, kv_heads, group, N, M, qk_scale, scale, KEY_MASK,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
     r""":math:`dK = \tau\, dS^\top Q` and :math:`dV = P^\top dO` of one key block of one kv head,
     summed over the ``group`` query heads that share it (no atomics).
@@ -82,6 +87,7 @@ def _dkdv_kernel(
     batch_kv_head = tl.program_id(1)
     batch, kv_head = batch_kv_head // kv_heads, batch_kv_head % kv_heads
     keys = start_n + tl.arange(0, BLOCK_N)
+    key_mask_base = key_mask_pointer(KEY_MASK, batch, M)
     k = load_tile(head_pointer(K, batch, kv_head, stride_kb, stride_kh), keys, M, stride_kn, HEAD_DIM, BLOCK_D)
     v = load_tile(head_pointer(V, batch, kv_head, stride_vb, stride_vh), keys, M, stride_vn, HEAD_DIM, BLOCK_D)
     acc_dtype = LSE.dtype.element_ty
@@ -101,11 +107,11 @@ def _dkdv_kernel(
         if CAUSAL:
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qn, stride_don, keys, start_n,
-                masked_end, N, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION,
+                masked_end, N, qk_scale, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION, HAS_KEY_MASK,
             )
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qn, stride_don, keys, masked_end, N, N,
-            qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, False, PRECISION,
+            qk_scale, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, False, PRECISION, HAS_KEY_MASK,
         )
 
     dk_base = head_pointer(DK, batch, kv_head, stride_dkb, stride_dkh)
@@ -116,16 +122,16 @@ def _dkdv_kernel(
 
 @triton.jit
 def _dq_inner(
-    dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, rows, start, end, M, qk_scale,
+    dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, rows, start, end, M, qk_scale, key_mask_base,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
     r"""Add key blocks ``[start, end)`` to a query block's :math:`dQ_i / \tau = \sum_j dS_{ij} K_j`."""
     for start_n in range(start, end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, keys, M, stride_kn, HEAD_DIM, BLOCK_D)
         v = load_tile(v_base, keys, M, stride_vn, HEAD_DIM, BLOCK_D)
-        p = probabilities(q, k, lse2, rows, keys, M, qk_scale, MASK_CAUSAL, PRECISION)
+        p = probabilities(q, k, lse2, rows, keys, M, qk_scale, MASK_CAUSAL, PRECISION, key_mask_base, HAS_KEY_MASK)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
@@ -137,9 +143,9 @@ def _dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
-    heads, group, N, M, qk_scale, scale,
+    heads, group, N, M, qk_scale, scale, KEY_MASK,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
     r""":math:`dQ = \tau\, dS K` of one query block, key blocks split as in the forward."""
     start_m = tl.program_id(0) * BLOCK_M
@@ -148,6 +154,7 @@ def _dq_kernel(
     kv_head = head // group
     k_base = head_pointer(K, batch, kv_head, stride_kb, stride_kh)
     v_base = head_pointer(V, batch, kv_head, stride_vb, stride_vh)
+    key_mask_base = key_mask_pointer(KEY_MASK, batch, M)
 
     rows = start_m + tl.arange(0, BLOCK_M)
     q = load_tile(head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM, BLOCK_D)
@@ -164,12 +171,12 @@ def _dq_kernel(
         unmasked_end = M
     dq = _dq_inner(
         dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, rows, 0, unmasked_end, M, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION,
+        key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION, HAS_KEY_MASK,
     )
     if CAUSAL:
         dq = _dq_inner(
             dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, rows, unmasked_end, end, M, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION,
+            key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, HAS_KEY_MASK,
         )
     dq_base = head_pointer(DQ, batch, head, stride_dqb, stride_dqh)
     store_tile(dq_base, dq * scale, rows, N, stride_dqn, HEAD_DIM, BLOCK_D)
@@ -177,7 +184,7 @@ def _dq_kernel(
 
 def backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
-    *, causal: bool, scale: float, allow_tf32: bool = False,
+    *, causal: bool, scale: float, allow_tf32: bool = False, key_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""Gradients of attention for the output cotangent ``do``.
 
@@ -186,7 +193,7 @@ def backward(
         dQ = \tau\, dS K,\quad dK = \tau\, dS^\top Q,\quad dV = P^\top dO
 
     Args:
-        q, k, v, causal, scale, allow_tf32: as in :func:`flashbob.kernels.forward`.
+        q, k, v, causal, scale, allow_tf32, key_mask: as in :func:`flashbob.kernels.forward`.
         o, lse: the forward's outputs.
         do: ``(B, H, N, d)`` cotangent of ``o``.
 
@@ -197,6 +204,7 @@ def backward(
     check_qkv(q, k, v)
     if o.shape != q.shape or do.shape != q.shape:
         raise ValueError(f"o and do must be shaped like q {tuple(q.shape)}; got {tuple(o.shape)}, {tuple(do.shape)}")
+    key_mask, has_key_mask = key_mask_operand(key_mask, q, k)
     q, k, v, o, do = (operand(x, q) for x in (q, k, v, o, do))
     batch, heads, n, head_dim = q.shape
     kv_heads, m = k.shape[1], k.shape[2]
@@ -215,13 +223,15 @@ def backward(
     configs.launch(
         "dkdv", _dkdv_kernel, lambda meta: (triton.cdiv(m, meta["BLOCK_N"]), batch * kv_heads),
         q, k, v, do, lse, delta, dk, dv, *strides(q), *strides(k), *strides(v), *strides(do), *strides(dk),
-        *strides(dv), heads, kv_heads, heads // kv_heads, n, m, qk_scale, scale,
+        *strides(dv), heads, kv_heads, heads // kv_heads, n, m, qk_scale, scale, key_mask,
         head_dim=head_dim, dtype=q.dtype, length=m, **shape, CAUSAL=causal, PRECISION=precision,
+        HAS_KEY_MASK=has_key_mask,
     )
     configs.launch(
         "dq", _dq_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads),
         q, k, v, do, lse, delta, dq, *strides(q), *strides(k), *strides(v), *strides(do), *strides(dq),
-        heads, heads // kv_heads, n, m, qk_scale, scale,
+        heads, heads // kv_heads, n, m, qk_scale, scale, key_mask,
         head_dim=head_dim, dtype=q.dtype, length=n, **shape, CAUSAL=causal, PRECISION=precision,
+        HAS_KEY_MASK=has_key_mask,
     )
     return dq, dk, dv, delta

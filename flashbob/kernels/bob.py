@@ -13,6 +13,8 @@ from .common import (
     dot_precision,
     head_dim_block,
     head_pointer,
+    key_mask_operand,
+    key_mask_pointer,
     load_tile,
     operand,
     probabilities,
@@ -28,9 +30,10 @@ from .common import (
 def _bob_rows_inner(
     a, c, r1, r2, r3, r4, q, do, u_bar, lse2, delta,
     k_base, v_base, w_bar_base, z_bar_base, stride_kn, stride_vn, stride_wn, stride_zn,
-    rows, start, end, M, qk_scale, scale,
+    rows, start, end, M, qk_scale, scale, key_mask_base,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr,
     HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr,
 ):
     r"""Add key blocks ``[start, end)`` to a query block's row scalars and d-vectors.
 
@@ -54,7 +57,7 @@ def _bob_rows_inner(
             w_bar = load_tile(w_bar_base, keys, M, stride_wn, HEAD_DIM, BLOCK_D)
         if HAS_DV_BAR:
             z_bar = load_tile(z_bar_base, keys, M, stride_zn, HEAD_DIM, BLOCK_D)
-        p = probabilities(q, k, lse2, rows, keys, M, qk_scale, MASK_CAUSAL, PRECISION)
+        p = probabilities(q, k, lse2, rows, keys, M, qk_scale, MASK_CAUSAL, PRECISION, key_mask_base, HAS_KEY_MASK)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         dp_centered = dp - delta[:, None]
         x = tl.zeros_like(p)
@@ -89,10 +92,10 @@ def _bob_rows_kernel(
     stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
     stride_ub, stride_uh, stride_un, stride_wb, stride_wh, stride_wn, stride_zb, stride_zh, stride_zn,
     stride_qbb, stride_qbh, stride_qbn, stride_dobb, stride_dobh, stride_dobn,
-    heads, group, N, M, qk_scale, scale,
+    heads, group, N, M, qk_scale, scale, KEY_MASK,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
     r"""BoB pass 1 for one query block: sweep its key blocks, then finish the row outputs
 
@@ -110,6 +113,7 @@ def _bob_rows_kernel(
     v_base = head_pointer(V, batch, kv_head, stride_vb, stride_vh)
     w_bar_base = head_pointer(W_BAR, batch, kv_head, stride_wb, stride_wh)
     z_bar_base = head_pointer(Z_BAR, batch, kv_head, stride_zb, stride_zh)
+    key_mask_base = key_mask_pointer(KEY_MASK, batch, M)
 
     rows = start_m + tl.arange(0, BLOCK_M)
     q = load_tile(head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM, BLOCK_D)
@@ -137,13 +141,14 @@ def _bob_rows_kernel(
     a, c, r1, r2, r3, r4 = _bob_rows_inner(
         a, c, r1, r2, r3, r4, q, do, u_bar, lse2, delta, k_base, v_base, w_bar_base, z_bar_base,
         stride_kn, stride_vn, stride_wn, stride_zn, rows, 0, unmasked_end, M, qk_scale, scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION,
+        key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, HAS_KEY_MASK,
     )
     if CAUSAL:
         a, c, r1, r2, r3, r4 = _bob_rows_inner(
             a, c, r1, r2, r3, r4, q, do, u_bar, lse2, delta, k_base, v_base, w_bar_base, z_bar_base,
             stride_kn, stride_vn, stride_wn, stride_zn, rows, unmasked_end, end, M, qk_scale, scale,
-            HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION,
+            key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION,
+            HAS_KEY_MASK,
         )
 
     c = c - a * delta
@@ -161,9 +166,10 @@ def _bob_rows_kernel(
 def _bob_columns_inner(
     k_bar, v_bar, k, v, w_bar, z_bar,
     q_base, do_base, u_bar_base, lse_base, delta_base, a_base, c_base, stride_qn, stride_don, stride_un,
-    keys, start, end, N, qk_scale, scale,
+    keys, start, end, N, qk_scale, scale, key_mask_base, M,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASK_CAUSAL: tl.constexpr,
     HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr,
 ):
     r"""Add query rows ``[start, end)`` of one query head to a key block's
 
@@ -183,7 +189,9 @@ def _bob_columns_inner(
         lse2 = tl.load(lse_base + rows, mask=rows < N, other=float("inf")) * LOG2E
         delta = tl.load(delta_base + rows, mask=rows < N, other=0.0)
         c = tl.load(c_base + rows, mask=rows < N, other=0.0)
-        p_t = probabilities_transposed(k, q, lse2, rows, keys, qk_scale, MASK_CAUSAL, PRECISION)
+        p_t = probabilities_transposed(
+            k, q, lse2, rows, keys, qk_scale, MASK_CAUSAL, PRECISION, key_mask_base, M, HAS_KEY_MASK
+        )
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         dp_centered_t = dp_t - delta[None, :]
         g_s_t = tl.zeros_like(p_t) - c[None, :]
@@ -213,10 +221,10 @@ def _bob_columns_kernel(
     stride_dob, stride_doh, stride_don, stride_ub, stride_uh, stride_un,
     stride_wb, stride_wh, stride_wn, stride_zb, stride_zh, stride_zn,
     stride_kbb, stride_kbh, stride_kbn, stride_vbb, stride_vbh, stride_vbn,
-    heads, kv_heads, group, N, M, qk_scale, scale,
+    heads, kv_heads, group, N, M, qk_scale, scale, KEY_MASK,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
     r"""BoB pass 2 for one key block of one kv head: :math:`\bar K = \tau (G_S^\top Q + dS^\top \bar U)`
     and :math:`\bar V = G_{dP}^\top dO`, summed over the ``group`` query heads sharing it; the
@@ -225,6 +233,7 @@ def _bob_columns_kernel(
     batch_kv_head = tl.program_id(1)
     batch, kv_head = batch_kv_head // kv_heads, batch_kv_head % kv_heads
     keys = start_n + tl.arange(0, BLOCK_N)
+    key_mask_base = key_mask_pointer(KEY_MASK, batch, M)
     k = load_tile(head_pointer(K, batch, kv_head, stride_kb, stride_kh), keys, M, stride_kn, HEAD_DIM, BLOCK_D)
     v = load_tile(head_pointer(V, batch, kv_head, stride_vb, stride_vh), keys, M, stride_vn, HEAD_DIM, BLOCK_D)
     if HAS_DK_BAR:
@@ -259,12 +268,14 @@ def _bob_columns_kernel(
             k_bar, v_bar = _bob_columns_inner(
                 k_bar, v_bar, k, v, w_bar, z_bar, q_base, do_base, u_bar_base, lse_base, delta_base, a_base,
                 c_base, stride_qn, stride_don, stride_un, keys, start_n, masked_end, N, qk_scale, scale,
-                HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION,
+                key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION,
+                HAS_KEY_MASK,
             )
         k_bar, v_bar = _bob_columns_inner(
             k_bar, v_bar, k, v, w_bar, z_bar, q_base, do_base, u_bar_base, lse_base, delta_base, a_base,
             c_base, stride_qn, stride_don, stride_un, keys, masked_end, N, N, qk_scale, scale,
-            HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION,
+            key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION,
+            HAS_KEY_MASK,
         )
 
     k_bar_base = head_pointer(K_BAR, batch, kv_head, stride_kbb, stride_kbh)
@@ -276,7 +287,7 @@ def _bob_columns_kernel(
 def bob(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     delta: torch.Tensor, dq_bar: torch.Tensor | None, dk_bar: torch.Tensor | None, dv_bar: torch.Tensor | None,
-    *, causal: bool, scale: float, allow_tf32: bool = False,
+    *, causal: bool, scale: float, allow_tf32: bool = False, key_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""Backward-over-backward: the vector-Jacobian product of :math:`(Q, K, V, dO) \mapsto (dQ, dK, dV)`
     with cotangents :math:`(\bar U, \bar W, \bar Z)` = ``(dq_bar, dk_bar, dv_bar)``.
@@ -294,7 +305,7 @@ def bob(
     formulas already contain every path through them.
 
     Args:
-        q, k, v, causal, scale, allow_tf32: as in :func:`flashbob.kernels.forward`.
+        q, k, v, causal, scale, allow_tf32, key_mask: as in :func:`flashbob.kernels.forward`.
         do: the cotangent the backward was run with; o, lse: forward outputs; delta: from the backward.
         dq_bar: ``(B, H, N, d)``; dk_bar, dv_bar: ``(B, Hkv, M, d)``; each may be None (= zero), which
             compiles its terms out. When all three are None, zeros are returned without a launch.
@@ -309,6 +320,7 @@ def bob(
             raise ValueError(f"{name} must have shape {tuple(like.shape)}; got {tuple(x.shape)}")
     if dq_bar is None and dk_bar is None and dv_bar is None:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(do)
+    key_mask, has_key_mask = key_mask_operand(key_mask, q, k)
     q, k, v, do, o = (operand(x, q) for x in (q, k, v, do, o))
     batch, heads, n, head_dim = q.shape
     kv_heads, m = k.shape[1], k.shape[2]
@@ -323,6 +335,7 @@ def bob(
         HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), CAUSAL=causal,
         PRECISION=dot_precision(q.dtype, allow_tf32),
         HAS_DQ_BAR=dq_bar is not None, HAS_DK_BAR=dk_bar is not None, HAS_DV_BAR=dv_bar is not None,
+        HAS_KEY_MASK=has_key_mask,
     )
     qk_scale = scale * LOG2E.value
 
@@ -330,14 +343,14 @@ def bob(
         "bob_rows", _bob_rows_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads),
         q, k, v, o, do, lse, delta, u_bar, w_bar, z_bar, q_bar, do_bar, a, c,
         *strides(q), *strides(k), *strides(v), *strides(o), *strides(do), *strides(u_bar), *strides(w_bar),
-        *strides(z_bar), *strides(q_bar), *strides(do_bar), heads, heads // kv_heads, n, m, qk_scale, scale,
+        *strides(z_bar), *strides(q_bar), *strides(do_bar), heads, heads // kv_heads, n, m, qk_scale, scale, key_mask,
         head_dim=head_dim, dtype=q.dtype, length=n, **constants,
     )
     configs.launch(
         "bob_cols", _bob_columns_kernel, lambda meta: (triton.cdiv(m, meta["BLOCK_N"]), batch * kv_heads),
         q, k, v, do, lse, delta, a, c, u_bar, w_bar, z_bar, k_bar, v_bar,
         *strides(q), *strides(k), *strides(v), *strides(do), *strides(u_bar), *strides(w_bar), *strides(z_bar),
-        *strides(k_bar), *strides(v_bar), heads, kv_heads, heads // kv_heads, n, m, qk_scale, scale,
+        *strides(k_bar), *strides(v_bar), heads, kv_heads, heads // kv_heads, n, m, qk_scale, scale, key_mask,
         head_dim=head_dim, dtype=q.dtype, length=m, **constants,
     )
     return q_bar, k_bar, v_bar, do_bar

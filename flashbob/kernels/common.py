@@ -52,31 +52,50 @@ def row_vector_pointer(X, batch_head, n_rows):
 
 
 @triton.jit
-def visible_keys(rows, keys, M, MASK_CAUSAL: tl.constexpr):
+def kept_keys(key_mask_base, keys, M):
+    """``(len(keys),)`` booleans of the key-padding mask row at ``key_mask_base`` (uint8, 1 = keep);
+    False past ``M``."""
+    return tl.load(key_mask_base + keys, mask=keys < M, other=0) != 0
+
+
+@triton.jit
+def visible_keys(rows, keys, M, MASK_CAUSAL: tl.constexpr, key_mask_base, HAS_KEY_MASK: tl.constexpr):
     """``(rows, keys)`` mask of the scores a row kernel keeps: keys in range and, on diagonal
-    tiles, only key ``j <= i`` for query ``i``."""
+    tiles, only key ``j <= i`` for query ``i``; with a key-padding mask, only kept keys."""
     mask = keys[None, :] < M
     if MASK_CAUSAL:
         mask = mask & (keys[None, :] <= rows[:, None])
+    if HAS_KEY_MASK:
+        mask = mask & kept_keys(key_mask_base, keys, M)[None, :]
     return mask
 
 
 @triton.jit
-def probabilities(q, k, lse2, rows, keys, M, qk_scale, MASK_CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+def probabilities(
+    q, k, lse2, rows, keys, M, qk_scale, MASK_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    key_mask_base, HAS_KEY_MASK: tl.constexpr,
+):
     r"""Tile :math:`P_{ij} = \exp(\tau\, q_i \cdot k_j - \mathrm{lse}_i)` of a row kernel, zero for
-    invisible keys; ``qk_scale`` is :math:`\tau \log_2 e` and ``lse2`` is :math:`\mathrm{lse} \log_2 e`."""
+    invisible keys; ``qk_scale`` is :math:`\tau \log_2 e` and ``lse2`` is :math:`\mathrm{lse} \log_2 e`
+    (``+inf`` for rows that see no key, whose P is then 0)."""
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    scores = tl.where(visible_keys(rows, keys, M, MASK_CAUSAL), scores, float("-inf"))
+    scores = tl.where(visible_keys(rows, keys, M, MASK_CAUSAL, key_mask_base, HAS_KEY_MASK), scores, float("-inf"))
     return tl.exp2(scores - lse2[:, None])
 
 
 @triton.jit
-def probabilities_transposed(k, q, lse2, rows, keys, qk_scale, MASK_CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+def probabilities_transposed(
+    k, q, lse2, rows, keys, qk_scale, MASK_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    key_mask_base, M, HAS_KEY_MASK: tl.constexpr,
+):
     r"""Tile :math:`P^\top` (keys by queries) of a column kernel. Keys past M need no mask (their
-    rows are never stored); queries past N must come with ``lse2 = +inf`` so that their P is 0."""
+    rows are never stored); queries past N must come with ``lse2 = +inf`` so that their P is 0.
+    Masked keys (key-padding mask) get P = 0."""
     scores = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
     if MASK_CAUSAL:
         scores = tl.where(keys[:, None] <= rows[None, :], scores, float("-inf"))
+    if HAS_KEY_MASK:
+        scores = tl.where(kept_keys(key_mask_base, keys, M)[:, None], scores, float("-inf"))
     return tl.exp2(scores - lse2[None, :])
 
 
@@ -102,6 +121,22 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"q, k, v must share one dtype of {SUPPORTED_DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+
+
+def key_mask_operand(key_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The key-padding mask as a contiguous ``(B, M)`` uint8 tensor (1 = keep) and ``HAS_KEY_MASK``;
+    without a mask, a one-byte placeholder the kernels never read."""
+    if key_mask is None:
+        return torch.zeros(1, dtype=torch.uint8, device=q.device), False
+    if key_mask.shape != (q.shape[0], k.shape[2]):
+        raise ValueError(f"key_mask must have shape (batch, M) = {(q.shape[0], k.shape[2])}; got {tuple(key_mask.shape)}")
+    return key_mask.to(device=q.device, dtype=torch.uint8).contiguous(), True
+
+
+@triton.jit
+def key_mask_pointer(KEY_MASK, batch, M):
+    """Start of one batch element's row of the ``(B, M)`` key-padding mask."""
+    return KEY_MASK + batch.to(tl.int64) * M
 
 
 def operand(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

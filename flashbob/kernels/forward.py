@@ -14,6 +14,8 @@ from .common import (
     dot_precision,
     head_dim_block,
     head_pointer,
+    key_mask_operand,
+    key_mask_pointer,
     load_tile,
     operand,
     row_vector_pointer,
@@ -25,26 +27,32 @@ from .common import (
 
 @triton.jit
 def _forward_inner(
-    acc, row_max, row_sum, q, k_base, v_base, stride_kn, stride_vn, rows, start, end, M, qk_scale,
+    acc, row_max, row_sum, q, k_base, v_base, stride_kn, stride_vn, rows, start, end, M, qk_scale, key_mask_base,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
     r"""Fold key blocks ``[start, end)`` into the online softmax of one query block.
 
     With :math:`s_{ij} = \tau\, q_i \cdot k_j \log_2 e` (base 2), running max :math:`m_i`, running sum
     :math:`\ell_i = \sum_j 2^{s_{ij} - m_i}` and unnormalised output
     :math:`\mathrm{acc}_i = \sum_j 2^{s_{ij} - m_i} v_j`, a new block rescales both by
-    :math:`2^{m_i^{old} - m_i^{new}}` before adding its own terms.
+    :math:`2^{m_i^{old} - m_i^{new}}` before adding its own terms. With a key-padding mask a row may
+    have seen no key yet (:math:`m_i = -\infty`); the exponentials then use 0 as the shift, so that
+    they are 0 instead of NaN.
     """
     for start_n in range(start, end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, keys, M, stride_kn, HEAD_DIM, BLOCK_D)
         v = load_tile(v_base, keys, M, stride_vn, HEAD_DIM, BLOCK_D)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        scores = tl.where(visible_keys(rows, keys, M, MASK_CAUSAL), scores, float("-inf"))
+        scores = tl.where(visible_keys(rows, keys, M, MASK_CAUSAL, key_mask_base, HAS_KEY_MASK), scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1))
-        rescale = tl.exp2(row_max - new_max)
-        p = tl.exp2(scores - new_max[:, None])
+        if HAS_KEY_MASK:
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        else:
+            shift = new_max
+        rescale = tl.exp2(row_max - shift)
+        p = tl.exp2(scores - shift[:, None])
         row_sum = row_sum * rescale + tl.sum(p, 1)
         acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         row_max = new_max
@@ -56,18 +64,20 @@ def _forward_kernel(
     Q, K, V, O, LSE,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-    heads, group, N, M, qk_scale,
+    heads, group, N, M, qk_scale, KEY_MASK,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
     r""":math:`O = \mathrm{softmax}(\tau Q K^\top) V` and :math:`\mathrm{lse}_i = \log \sum_j e^{\tau q_i \cdot k_j}`
-    for one query block; causal: key blocks right of the diagonal are skipped, diagonal ones masked."""
+    for one query block; causal: key blocks right of the diagonal are skipped, diagonal ones masked.
+    Rows that see no key (key-padding mask) store :math:`O_i = 0` and :math:`\mathrm{lse}_i = +\infty`."""
     start_m = tl.program_id(0) * BLOCK_M
     batch_head = tl.program_id(1)
     batch, head = batch_head // heads, batch_head % heads
     kv_head = head // group
     k_base = head_pointer(K, batch, kv_head, stride_kb, stride_kh)
     v_base = head_pointer(V, batch, kv_head, stride_vb, stride_vh)
+    key_mask_base = key_mask_pointer(KEY_MASK, batch, M)
 
     rows = start_m + tl.arange(0, BLOCK_M)
     q = load_tile(head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM, BLOCK_D)
@@ -84,22 +94,30 @@ def _forward_kernel(
         unmasked_end = M
     acc, row_max, row_sum = _forward_inner(
         acc, row_max, row_sum, q, k_base, v_base, stride_kn, stride_vn, rows, 0, unmasked_end, M, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION,
+        key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION, HAS_KEY_MASK,
     )
     if CAUSAL:
         acc, row_max, row_sum = _forward_inner(
             acc, row_max, row_sum, q, k_base, v_base, stride_kn, stride_vn, rows, unmasked_end, end, M,
-            qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION,
+            qk_scale, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, HAS_KEY_MASK,
         )
 
     o_base = head_pointer(O, batch, head, stride_ob, stride_oh)
-    store_tile(o_base, acc / row_sum[:, None], rows, N, stride_on, HEAD_DIM, BLOCK_D)
-    lse = (row_max + tl.log2(row_sum)) / LOG2E
+    if HAS_KEY_MASK:
+        seen = row_sum > 0
+        safe_sum = tl.where(seen, row_sum, 1.0)
+        o = tl.where(seen[:, None], acc / safe_sum[:, None], 0.0)
+        lse = tl.where(seen, (row_max + tl.log2(safe_sum)) / LOG2E, float("inf"))
+    else:
+        o = acc / row_sum[:, None]
+        lse = (row_max + tl.log2(row_sum)) / LOG2E
+    store_tile(o_base, o, rows, N, stride_on, HEAD_DIM, BLOCK_D)
     tl.store(row_vector_pointer(LSE, batch_head, N) + rows, lse, mask=rows < N)
 
 
 def forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float, allow_tf32: bool = False
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float, allow_tf32: bool = False,
+    key_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Attention output and row log-sum-exp.
 
@@ -114,11 +132,14 @@ def forward(
         causal: top-left aligned causal mask (query ``i`` sees key ``j`` iff ``j <= i``).
         scale: :math:`\tau`.
         allow_tf32: float32 inputs only: let ``tl.dot`` round its operands to tf32.
+        key_mask: optional bool ``(B, M)`` key-padding mask, True = keep. Rows that see no key get
+            ``o = 0`` and ``lse = +inf``.
 
     Returns:
         ``o`` shaped and typed like ``q``; ``lse`` ``(B, H, N)`` in float32 (float64 for float64 inputs).
     """
     check_qkv(q, k, v)
+    key_mask, has_key_mask = key_mask_operand(key_mask, q, k)
     q, k, v = (operand(x, q) for x in (q, k, v))
     batch, heads, n, head_dim = q.shape
     kv_heads, m = k.shape[1], k.shape[2]
@@ -127,7 +148,8 @@ def forward(
     configs.launch(
         "forward", _forward_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads),
         q, k, v, o, lse, *strides(q), *strides(k), *strides(v), *strides(o),
-        heads, heads // kv_heads, n, m, scale * LOG2E.value, head_dim=head_dim, dtype=q.dtype, length=n,
+        heads, heads // kv_heads, n, m, scale * LOG2E.value, key_mask, head_dim=head_dim, dtype=q.dtype, length=n,
         HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), CAUSAL=causal, PRECISION=dot_precision(q.dtype, allow_tf32),
+        HAS_KEY_MASK=has_key_mask,
     )
     return o, lse

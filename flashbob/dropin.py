@@ -1,0 +1,265 @@
+"""Drop-in replacement for :func:`torch.nn.functional.scaled_dot_product_attention`.
+
+:func:`sdpa` takes SDPA's arguments and runs :func:`flashbob.attention` (exact double backward,
+no ``L x S`` tensor) whenever the request is one the backends handle:
+
+* no mask, ``is_causal``, or a **key-padding** mask: a boolean mask (or a float mask whose entries
+  are all ``0`` or ``-inf``, as :class:`torch.nn.MultiheadAttention` builds from
+  ``key_padding_mask``) that is the same for every query and every head, i.e. broadcastable as
+  ``(batch or 1, 1 or heads, 1, S)``; combined with ``is_causal`` if set;
+* a boolean mask that is exactly ``causal & key-padding`` (what Hugging Face models build), detected
+  by comparing it with the causal mask (top-left aligned, as ``is_causal``);
+* ``enable_gqa=True`` with ``heads % kv_heads == 0`` (native grouped-query attention).
+
+Anything else (arbitrary dense masks, per-query masks, additive float biases, ``dropout_p > 0``, a
+value head_dim different from the query's, empty sequences) goes to an **exact fallback**: naive
+materialising attention built from PyTorch ops, twice differentiable through autograd, which warns
+once per reason (:class:`FallbackWarning`). In strict mode (:func:`set_strict`, or the environment
+variable ``FLASHBOB_STRICT=1``) the fallback raises :class:`FallbackError` instead.
+
+As in torch 2.13, ``is_causal=True`` together with ``attn_mask`` attends where both allow.
+Inputs are ``(..., L, E)`` as in SDPA: 4-d ``(batch, heads, L, E)`` is used as is, 3-d
+``(batch, L, E)`` is treated as one head per batch element, 2-d ``(L, E)`` as one of each, and
+more than 4 dimensions are flattened into the batch (``einops.pack``).
+
+:func:`patch_sdpa` routes ``torch.nn.functional.scaled_dot_product_attention`` itself through
+:func:`sdpa`, so unmodified models (nanoGPT-style code, :class:`torch.nn.TransformerEncoderLayer`
+through :func:`torch.nn.functional.multi_head_attention_forward`) gain exact double backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+from einops import pack, unpack
+
+from flashbob.attention import attention
+
+__all__ = ["sdpa", "patch_sdpa", "set_strict", "is_strict", "FallbackWarning", "FallbackError"]
+
+
+class FallbackWarning(UserWarning):
+    """Emitted (once per reason) when :func:`sdpa` runs the exact, materialising fallback."""
+
+
+class FallbackError(RuntimeError):
+    """Raised instead of falling back when strict mode is on."""
+
+
+_strict: bool | None = None  # None: read FLASHBOB_STRICT
+_warned: set[str] = set()
+
+
+def set_strict(strict: bool = True) -> None:
+    """Strict mode: :func:`sdpa` raises :class:`FallbackError` instead of running the naive fallback.
+    Overrides the ``FLASHBOB_STRICT`` environment variable; ``set_strict(None)`` defers to it again."""
+    global _strict
+    if strict is not None and not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool or None, got {type(strict).__name__}")
+    _strict = strict
+
+
+def is_strict() -> bool:
+    """Whether strict mode is on (:func:`set_strict`, else ``FLASHBOB_STRICT=1``)."""
+    return _strict if _strict is not None else os.environ.get("FLASHBOB_STRICT", "0") == "1"
+
+
+def _fallback(reason: str) -> None:
+    message = (
+        f"flashbob.sdpa: {reason}; using the exact but materialising (O(L*S) memory) fallback attention. "
+        "Call flashbob.set_strict(True) or set FLASHBOB_STRICT=1 to raise instead."
+    )
+    if is_strict():
+        raise FallbackError(message.split("; using")[0] + " is not supported by the flashbob kernels (strict mode)")
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(message, FallbackWarning, stacklevel=3)
+
+
+def naive_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """SDPA's math, materialised, differentiable any number of times through autograd.
+
+    Boolean masks: True = attend; rows that attend to nothing give zero output (and gradients).
+    Float masks are added to the scores. GQA repeats the kv heads (dimension -3).
+    """
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        key = key.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)
+        value = value.repeat_interleave(query.shape[-3] // value.shape[-3], dim=-3)
+    scores = scale * query @ key.transpose(-2, -1)
+    keep = None
+    if is_causal:
+        keep = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            keep = attn_mask if keep is None else keep & attn_mask
+        else:
+            scores = scores + attn_mask
+    if keep is None:
+        weights = torch.softmax(scores, dim=-1)
+    else:
+        keep = keep.expand(scores.shape)
+        any_key = keep.any(-1, keepdim=True)
+        scores = scores.masked_fill(~keep, float("-inf")).masked_fill(~any_key, 0.0)
+        weights = torch.softmax(scores, dim=-1) * any_key
+    if dropout_p > 0:
+        weights = F.dropout(weights, p=dropout_p)
+    return weights @ value
+
+
+def _as_bool_mask(mask: torch.Tensor) -> torch.Tensor | None:
+    """A bool view of ``mask`` (True = attend) if it is bool or a float mask of only 0 and -inf, else None."""
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_floating_point() and bool(((mask == 0) | (mask == float("-inf"))).all()):
+        return mask == 0
+    return None
+
+
+def key_mask_of(mask: torch.Tensor, batch: int, heads: int, n: int, m: int) -> tuple[torch.Tensor | None, bool]:
+    """Split a boolean mask broadcastable to ``(batch, heads, n, m)`` into ``(key_mask (batch, m), causal)``
+    when it is a key-padding mask (same for every query and head) or exactly ``causal & key-padding``;
+    ``(None, False)`` otherwise."""
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    if mask.dim() > 4 or mask.shape[-1] != m:
+        return None, False
+    try:
+        mask = mask.expand(batch, mask.shape[1], mask.shape[2], m)
+    except RuntimeError:
+        return None, False
+    if mask.shape[1] not in (1, heads) or mask.shape[2] not in (1, n):
+        return None, False
+    if mask.shape[1] > 1:
+        if not torch.equal(mask, mask[:, :1].expand_as(mask)):
+            return None, False
+        mask = mask[:, :1]
+    if mask.shape[2] == 1:
+        return mask[:, 0, 0, :].contiguous(), False
+    keys = mask[:, 0, -1, :]  # the last query sees every kept key that causality allows
+    causal = torch.ones(n, m, dtype=torch.bool, device=mask.device).tril()
+    if torch.equal(mask[:, 0], causal & keys[:, None, :]):
+        return keys.contiguous(), True
+    if torch.equal(mask[:, 0], keys[:, None, :].expand(-1, n, -1)):
+        return keys.contiguous(), False
+    return None, False
+
+
+def sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """:func:`torch.nn.functional.scaled_dot_product_attention` with exact double backward.
+
+    Same arguments and result as SDPA (see the module docstring for what runs on the flashbob
+    backends and what on the exact fallback); ``backend`` is passed to :func:`flashbob.attention`.
+    """
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 2:
+            raise ValueError(f"{name} must have at least 2 dimensions (..., L, E), got shape {tuple(x.shape)}")
+    heads, kv_heads = (query.shape[-3] if query.dim() > 2 else 1), (key.shape[-3] if key.dim() > 2 else 1)
+    if heads != kv_heads:
+        if not enable_gqa:
+            raise RuntimeError(
+                f"query has {heads} heads but key has {kv_heads}: pass enable_gqa=True for grouped-query attention"
+            )
+        if kv_heads == 0 or heads % kv_heads != 0 or value.shape[-3] != kv_heads:
+            raise RuntimeError(f"the number of heads of key and value ({kv_heads}) must divide query's ({heads})")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+
+    args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if dropout_p > 0:
+        _fallback("dropout_p > 0")
+        return naive_attention(*args)
+    if value.shape[-1] != query.shape[-1] or query.shape[-1] != key.shape[-1]:
+        _fallback("value head_dim differs from query's")
+        return naive_attention(*args)
+    if 0 in (query.shape[-2], key.shape[-2], query.numel(), key.numel()):
+        _fallback("empty inputs")
+        return naive_attention(*args)
+    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        _fallback(f"dtype {query.dtype}")
+        return naive_attention(*args)
+
+    # (..., L, E) -> (batch, heads, L, E)
+    if query.dim() == 3 and key.dim() == 3 and query.shape[0] == key.shape[0]:
+        q4, k4, v4 = (x.unsqueeze(1) for x in (query, key, value))
+        if attn_mask is not None and attn_mask.dim() == 3:
+            attn_mask = attn_mask.unsqueeze(1)
+        unpack_shape = None
+    else:
+        while query.dim() < 4:
+            query, key, value = (x.unsqueeze(0) for x in (query, key, value))
+        if query.shape[:-3] != key.shape[:-3] or key.shape[:-2] != value.shape[:-2]:
+            _fallback("batch dimensions of query, key and value differ")
+            return naive_attention(*args)
+        q4, unpack_shape = pack([query], "* h l e")
+        k4, _ = pack([key], "* h l e")
+        v4, _ = pack([value], "* h l e")
+        if attn_mask is not None and attn_mask.dim() > 4:
+            attn_mask = attn_mask.expand(*query.shape[:-3], *attn_mask.shape[-3:]).reshape(-1, *attn_mask.shape[-3:])
+    batch, heads, n, _ = q4.shape
+    m = k4.shape[2]
+
+    causal, key_mask = is_causal, None
+    if attn_mask is not None:
+        bool_mask = _as_bool_mask(attn_mask)
+        key_mask, mask_is_causal = (None, False) if bool_mask is None else key_mask_of(bool_mask, batch, heads, n, m)
+        if key_mask is None:
+            _fallback("attn_mask is not a key-padding (or causal + key-padding) mask")
+            return naive_attention(*args)
+        causal = causal or mask_is_causal
+    out = attention(q4, k4, v4, causal=causal, scale=scale, key_mask=key_mask, backend=backend)
+    if unpack_shape is None:
+        return out.squeeze(1)
+    (out,) = unpack(out, unpack_shape, "* h l e")
+    while out.dim() > max(x.dim() for x in args[:3]):
+        out = out.squeeze(0)
+    return out
+
+
+class patch_sdpa(contextlib.ContextDecorator):
+    """Route ``torch.nn.functional.scaled_dot_product_attention`` through :func:`sdpa`.
+
+    A context manager and a decorator; restores the previous function on exit (also on errors), and
+    nests: an inner ``patch_sdpa`` restores the outer one's patch. Code that imported the function
+    by name before patching (``from torch.nn.functional import scaled_dot_product_attention``) keeps
+    the original. Example::
+
+        with flashbob.patch_sdpa():
+            loss = model(x).sum()              # model calls F.scaled_dot_product_attention
+            grads = torch.autograd.grad(loss, params, create_graph=True)
+    """
+
+    def __init__(self, backend: str = "auto"):
+        self.backend = backend
+        self._saved: list = []
+
+    def _patched(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                 enable_gqa=False):
+        return sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend=self.backend)
+
+    def __enter__(self):
+        self._saved.append(F.scaled_dot_product_attention)
+        F.scaled_dot_product_attention = self._patched
+        return self
+
+    def __exit__(self, *exc):
+        F.scaled_dot_product_attention = self._saved.pop()
+        return False

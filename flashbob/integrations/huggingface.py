@@ -1,0 +1,77 @@
+"""Hugging Face transformers: ``attn_implementation="flashbob"`` (needs the ``hf`` extra).
+
+:func:`register` adds ``"flashbob"`` to transformers' ``AttentionInterface`` (the attention
+function) and ``AttentionMaskInterface`` (SDPA-style boolean masks, or None for plain causal), so
+that models using the attention interface (Llama, Qwen2, Mistral, GPT-2, ...) can be built with
+``attn_implementation="bob"`` and get exact double backward (Hessian-vector products, ...).
+
+Why not ``"flashbob"``: recent transformers (checked with 5.24) treat every implementation name that
+contains ``"flash"`` as a FlashAttention kernel to load from the Hub, so that name cannot be used
+there. :func:`register` also registers ``"flashbob"`` when the installed transformers does not
+special-case it (older releases).
+
+Masks: no mask + causal module runs the kernels with ``causal=True``; a boolean mask that is
+``causal & key-padding`` (batches with padding) runs the kernels with ``causal=True`` and a key
+mask; anything else (sliding windows, packed sequences, ...) goes through :func:`flashbob.sdpa`'s
+exact fallback, with a one-time warning (or an error in strict mode).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashbob.dropin import sdpa
+
+NAME = "bob"
+
+
+def flashbob_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The transformers attention-interface function: ``(B, H, N, d)`` inputs (kv heads unrepeated),
+    returns ``((B, N, H, d) output, None)`` like the SDPA implementation."""
+    if kwargs.get("softcap") is not None:
+        raise ValueError("attn_implementation='flashbob' does not support softcap; use 'eager'")
+    if kwargs.get("position_bias") is not None:
+        raise ValueError("attn_implementation='flashbob' does not support position_bias; use 'eager' or 'sdpa'")
+    n = query.shape[2]
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = bool(is_causal) and attention_mask is None and n > 1
+    if is_causal and key.shape[2] > n:  # prefill of an empty static cache: top-left causal on the first n keys
+        key, value = key[:, :, :n], value[:, :, :n]
+    out = sdpa(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal, scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _usable_name(name: str) -> bool:
+    """False where transformers would take ``name`` for a FlashAttention kernel (names with "flash")."""
+    try:
+        from transformers.utils.generic import is_flash_attention_requested
+    except ImportError:
+        return True
+    return not is_flash_attention_requested(requested_attention_implementation=name)
+
+
+def register(name: str = NAME) -> list[str]:
+    """Register flashbob's attention (and SDPA-style mask creation) in transformers under ``name``
+    (default ``"bob"``) and, where the installed transformers allows it, ``"flashbob"``.
+    Returns the names registered; pass one as ``attn_implementation``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    names = [name] + (["flashbob"] if name != "flashbob" and _usable_name("flashbob") else [])
+    for registered in names:
+        AttentionInterface.register(registered, flashbob_attention_forward)
+        AttentionMaskInterface.register(registered, sdpa_mask)
+    return names

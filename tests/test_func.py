@@ -1,0 +1,81 @@
+"""torch.func over flashbob.attention: grad, vjp, vmap over the batch (per-sample gradients and
+HVPs), jacrev; forward mode raises a clear error. Blocked backend, plus a Triton-interpreter case."""
+
+import pytest
+import torch
+from torch.func import grad, jacrev, jvp, vjp, vmap
+
+import flashbob
+from flashbob import reference
+from flashbob.kernels import configs
+
+
+def inputs(gen, samples=3, batch=1, heads=2, kv_heads=1, n=6, m=5, d=4):
+    q = torch.randn(samples, batch, heads, n, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(samples, batch, kv_heads, m, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(samples, batch, kv_heads, m, d, generator=gen, dtype=torch.float64)
+    keys = torch.rand(samples, batch, m, generator=gen) > 0.3
+    keys[..., 0] = True
+    return q, k, v, keys
+
+
+def fns(backend, causal=False):
+    bob = lambda q, k, v, keys: flashbob.attention(q, k, v, causal=causal, key_mask=keys, backend=backend)  # noqa
+    ref = lambda q, k, v, keys: reference.attention(q, k, v, causal=causal, key_mask=keys)  # noqa: E731
+    return bob, ref
+
+
+def loss(fn):
+    return lambda q, k, v, keys: fn(q, k, v, keys).sin().sum()
+
+
+def close(a, b, tol=1e-10):
+    for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+        torch.testing.assert_close(x, y, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_grad_vjp_jacrev(gen, causal):
+    q, k, v, keys = (x[0] for x in inputs(gen))
+    bob, ref = fns("blocked", causal)
+    close(grad(loss(bob), argnums=(0, 1, 2))(q, k, v, keys), grad(loss(ref), argnums=(0, 1, 2))(q, k, v, keys))
+    out, pullback = vjp(lambda q, k, v: bob(q, k, v, keys), q, k, v)
+    out_ref, pullback_ref = vjp(lambda q, k, v: ref(q, k, v, keys), q, k, v)
+    close(out, out_ref)
+    close(pullback(torch.ones_like(out)), pullback_ref(torch.ones_like(out)))
+    close(jacrev(bob)(q, k, v, keys), jacrev(ref)(q, k, v, keys))
+
+
+def test_vmap_forward_per_sample_grads_and_hvps(gen):
+    q, k, v, keys = inputs(gen)
+    bob, ref = fns("blocked", causal=True)
+    close(vmap(bob)(q, k, v, keys), vmap(ref)(q, k, v, keys))
+    close(vmap(bob, in_dims=(0, None, None, None))(q, k[0], v[0], keys[0]),
+          vmap(ref, in_dims=(0, None, None, None))(q, k[0], v[0], keys[0]))
+    per_sample = lambda fn: vmap(grad(loss(fn), argnums=(0, 1, 2)))(q, k, v, keys)  # noqa: E731
+    close(per_sample(bob), per_sample(ref))
+
+    def hvp(fn, q, k, v, keys, tangent):  # reverse-over-reverse: grad, then vjp of grad
+        _, pullback = vjp(lambda q: grad(loss(fn))(q, k, v, keys), q)
+        return pullback(tangent)[0]
+
+    tangent = torch.randn_like(q)
+    close(vmap(lambda *a: hvp(bob, *a))(q, k, v, keys, tangent), vmap(lambda *a: hvp(ref, *a))(q, k, v, keys, tangent))
+
+
+def test_triton_interpreter_grad_and_vmap(gen):
+    q, k, v, keys = inputs(gen, samples=2, n=20, m=18, d=16)
+    bob, ref = fns("triton", causal=True)
+    with configs.override(block_m=16, block_n=16):
+        got = vmap(grad(loss(bob), argnums=(0, 1, 2)))(q, k, v, keys)
+    close(got, vmap(grad(loss(ref), argnums=(0, 1, 2)))(q, k, v, keys))
+
+
+def test_forward_mode_raises_a_clear_error(gen):
+    q, k, v, keys = (x[0] for x in inputs(gen))
+    bob, _ = fns("blocked")
+    with pytest.raises(RuntimeError, match="does not support forward-mode AD"):
+        jvp(lambda q: bob(q, k, v, keys), (q,), (torch.ones_like(q),))
+    with pytest.raises(RuntimeError, match="forward-mode"), torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(q, torch.ones_like(q))
+        bob(dual, k, v, keys)

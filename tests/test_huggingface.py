@@ -1,0 +1,121 @@
+"""Hugging Face transformers with ``attn_implementation="bob"``: tiny random models built from
+configs in the test (no downloads). Logits match the eager implementation, and an exact HVP matches
+the HVP of the same model on an exact naive attention."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import flashbob  # noqa: E402
+from flashbob.dropin import FallbackWarning, naive_attention  # noqa: E402
+from flashbob.integrations import huggingface  # noqa: E402
+from optim import hvp  # noqa: E402
+
+
+def _naive_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """Exact float64 oracle: materialising attention, SDPA semantics (eager Llama softmaxes in float32)."""
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = bool(is_causal) and attention_mask is None and query.shape[2] > 1
+    out = naive_attention(query, key, value, attention_mask, dropout, is_causal, scaling,
+                          enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    names = huggingface.register()
+    assert huggingface.NAME in names
+    AttentionInterface.register("naive_test", _naive_forward)
+    AttentionMaskInterface.register("naive_test", sdpa_mask)
+
+
+def configs():
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)
+    return {
+        "llama": ("LlamaForCausalLM", LlamaConfig(**small)),
+        "qwen2": ("Qwen2ForCausalLM", Qwen2Config(**small)),
+        "gpt2": ("GPT2LMHeadModel", GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                               bos_token_id=0, eos_token_id=0)),
+    }
+
+
+def build(family, implementation, dtype, seed=0):
+    class_name, config = configs()[family]
+    torch.manual_seed(seed)
+    model = getattr(transformers, class_name)._from_config(copy.deepcopy(config), attn_implementation=implementation)
+    return model.to(dtype).eval()
+
+
+def batch():
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (2, 11), generator=gen)
+    padding = torch.ones(2, 11, dtype=torch.long)
+    padding[1, :4] = 0  # left padding: rows 0-3 of batch 1 see no key
+    return ids, padding
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_logits_match_eager_and_exact(family, padded):
+    ids, padding = batch()
+    mask = padding if padded else None
+    real = padding.bool() if padded else torch.ones_like(padding, dtype=torch.bool)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)  # causal (+ padding) must run on the flashbob backends
+        bob32 = build(family, huggingface.NAME, torch.float32)(ids, attention_mask=mask).logits
+        bob64 = build(family, huggingface.NAME, torch.float64)(ids, attention_mask=mask).logits
+    eager32 = build(family, "eager", torch.float32)(ids, attention_mask=mask).logits
+    exact64 = build(family, "naive_test", torch.float64)(ids, attention_mask=mask).logits
+    assert (bob32[real] - eager32[real]).abs().max() < 1e-5
+    assert (bob64[real] - exact64[real]).abs().max() < 1e-10
+    assert torch.isfinite(bob64).all()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_exact_hvp(family):
+    ids, padding = batch()
+
+    def product(implementation, mask):
+        model = build(family, implementation, torch.float64)
+        params = [p for p in model.parameters() if p.requires_grad]
+        logits = model(ids, attention_mask=mask).logits
+        weights = torch.ones_like(ids) if mask is None else mask
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64), ids[:, 1:].reshape(-1),
+                                                 reduction="none")
+        loss = (loss * weights[:, 1:].reshape(-1)).sum()
+        gen = torch.Generator().manual_seed(2)
+        vec = [torch.randn(p.shape, generator=gen, dtype=p.dtype) for p in params]
+        return torch.cat([x.reshape(-1) for x in hvp(loss, params, vec)])
+
+    def error(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    # exact: against naive float64 attention, with left padding (fully masked rows) and without
+    for mask in (padding, None):
+        assert error(product(huggingface.NAME, mask), product("naive_test", mask)) < 1e-10
+    # eager (Llama's eager softmax runs in float32; with padding in float64 it gives NaN): unpadded only
+    assert error(product(huggingface.NAME, None), product("eager", None)) < 1e-5
+
+
+def test_other_masks_fall_back_with_a_warning():
+    """A mask that is not causal + key padding (here: a custom 4D mask) takes the exact fallback."""
+    model = build("llama", huggingface.NAME, torch.float64)
+    ids, _ = batch()
+    custom = torch.rand(2, 1, 11, 11, generator=torch.Generator().manual_seed(3)) > 0.3
+    custom[..., 0] = True
+    flashbob.dropin._warned.clear()
+    with pytest.warns(FallbackWarning, match="key-padding"):
+        got = model(ids, attention_mask=custom).logits
+    want = build("llama", "naive_test", torch.float64)(ids, attention_mask=custom).logits
+    assert (got - want).abs().max() < 1e-10

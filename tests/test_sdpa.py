@@ -1,0 +1,223 @@
+"""flashbob.sdpa against torch's SDPA, the exact fallback (warning once / strict mode), and
+flashbob.patch_sdpa on unmodified models (nanoGPT-style attention, nn.TransformerEncoderLayer)."""
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flashbob
+from flashbob import dropin
+from flashbob.dropin import FallbackError, FallbackWarning, naive_attention
+
+TORCH_SDPA = F.scaled_dot_product_attention
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings():
+    dropin._warned.clear()
+    yield
+    flashbob.set_strict(None)
+
+
+def qkv(gen, batch=2, heads=4, kv_heads=2, n=9, m=11, d=8, lead=()):
+    shape = lambda h, length: (*lead, batch, h, length, d)  # noqa: E731
+    return tuple(torch.randn(*s, generator=gen, dtype=torch.float64) for s in (shape(heads, n), shape(kv_heads, m),
+                                                                             shape(kv_heads, m)))
+
+
+def key_padding(gen, batch, m):
+    mask = torch.rand(batch, m, generator=gen) > 0.4
+    mask[:, 0] = True
+    return mask
+
+
+@pytest.mark.parametrize("case", ["none", "causal", "bool_keys", "bool_keys_causal", "causal_and_keys",
+                                  "float_keys", "heads_keys"])
+def test_fast_paths_match_torch_and_do_not_warn(gen, case):
+    q, k, v = qkv(gen, m=9)
+    keys = key_padding(gen, 2, 9)
+    kwargs = {
+        "none": {},
+        "causal": dict(is_causal=True),
+        "bool_keys": dict(attn_mask=keys[:, None, None, :]),
+        "bool_keys_causal": dict(attn_mask=keys[:, None, None, :], is_causal=True),  # torch 2.13: AND
+        "causal_and_keys": dict(attn_mask=torch.ones(9, 9, dtype=torch.bool).tril() & keys[:, None, None, :]),
+        "float_keys": dict(attn_mask=torch.zeros(2, 1, 1, 9, dtype=torch.float64).masked_fill(
+            ~keys[:, None, None, :], float("-inf"))),
+        "heads_keys": dict(attn_mask=keys[:, None, None, :].expand(2, 4, 1, 9)),
+    }[case]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        got = flashbob.sdpa(q, k, v, enable_gqa=True, **kwargs)
+    want = TORCH_SDPA(q, k, v, enable_gqa=True, **kwargs)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(7, 8), (2, 7, 8), (3, 2, 2, 7, 8)])
+def test_other_ranks(gen, shape):
+    """(L, E), (B, L, E) and (..., B, H, L, E) inputs, as SDPA accepts them."""
+    x = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    for causal in (False, True):
+        got = flashbob.sdpa(x, x, x, is_causal=causal)
+        assert got.shape == x.shape
+        torch.testing.assert_close(got, TORCH_SDPA(x, x, x, is_causal=causal), rtol=1e-12, atol=1e-12)
+
+
+def test_dense_masks_fall_back_exactly_with_one_warning(gen):
+    q, k, v = qkv(gen)
+    dense = torch.rand(2, 1, 9, 11, generator=gen) > 0.3
+    bias = torch.randn(9, 11, generator=gen, dtype=torch.float64)
+    with pytest.warns(FallbackWarning, match="not a key-padding"):
+        got = flashbob.sdpa(q, k, v, attn_mask=dense, enable_gqa=True)
+    torch.testing.assert_close(got, TORCH_SDPA(q, k, v, attn_mask=dense, enable_gqa=True), rtol=1e-12, atol=1e-12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)  # once per reason
+        got = flashbob.sdpa(q, k, v, attn_mask=bias, enable_gqa=True)
+    torch.testing.assert_close(got, TORCH_SDPA(q, k, v, attn_mask=bias, enable_gqa=True), rtol=1e-12, atol=1e-12)
+
+
+def test_dropout_falls_back_and_strict_mode_raises(gen):
+    q, k, v = qkv(gen, heads=2)
+    with pytest.warns(FallbackWarning, match="dropout"):
+        out = flashbob.sdpa(q, k, v, dropout_p=0.5)
+    assert out.shape == q.shape
+    flashbob.set_strict(True)
+    with pytest.raises(FallbackError, match="strict"):
+        flashbob.sdpa(q, k, v, dropout_p=0.5)
+    flashbob.sdpa(q, k, v)  # the fast path is unaffected
+
+
+def test_strict_mode_from_the_environment(gen, monkeypatch):
+    q, k, v = qkv(gen, heads=2)
+    monkeypatch.setenv("FLASHBOB_STRICT", "1")
+    with pytest.raises(FallbackError):
+        flashbob.sdpa(q, k, v, attn_mask=torch.randn(9, 11, dtype=torch.float64))
+
+
+def test_gqa_checks(gen):
+    q, k, v = qkv(gen, heads=4, kv_heads=2)
+    with pytest.raises(RuntimeError, match="enable_gqa"):
+        flashbob.sdpa(q, k, v)
+    q3, k3, v3 = qkv(gen, heads=3, kv_heads=2)
+    with pytest.raises(RuntimeError, match="divide"):
+        flashbob.sdpa(q3, k3, v3, enable_gqa=True)
+
+
+def test_fully_masked_rows_are_zero_with_zero_gradients(gen):
+    q, k, v = (x.requires_grad_() for x in qkv(gen, heads=2, kv_heads=2))
+    keys = key_padding(gen, 2, 11)
+    keys[1] = False
+    out = flashbob.sdpa(q, k, v, attn_mask=keys[:, None, None, :])
+    assert (out[1] == 0).all()
+    grads = torch.autograd.grad(out.sin().sum(), (q, k, v), create_graph=True)
+    second = torch.autograd.grad(sum(g.square().sum() for g in grads), (q, k, v))
+    for g in (*grads, *second):
+        assert torch.isfinite(g).all() and (g[1] == 0).all()
+
+
+def test_double_backward_through_sdpa_matches_naive(gen):
+    q, k, v = (x.requires_grad_() for x in qkv(gen))
+    keys = key_padding(gen, 2, 11)
+
+    def hvp(fn):
+        out = fn(q, k, v, attn_mask=keys[:, None, None, :], enable_gqa=True)
+        grads = torch.autograd.grad(out.sin().sum(), (q, k, v), create_graph=True)
+        return torch.autograd.grad(sum((g * g.detach()).sum() for g in grads), (q, k, v))
+
+    for a, b in zip(hvp(flashbob.sdpa), hvp(naive_attention)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@contextlib.contextmanager
+def naive_sdpa():
+    """The exact oracle for models: F.scaled_dot_product_attention replaced by naive attention."""
+    saved = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = naive_attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = saved
+
+
+def test_patch_sdpa_restores_nests_and_decorates(gen):
+    assert F.scaled_dot_product_attention is TORCH_SDPA
+    with flashbob.patch_sdpa() as outer:
+        patched = F.scaled_dot_product_attention
+        assert patched is not TORCH_SDPA
+        with flashbob.patch_sdpa(backend="blocked"):
+            assert F.scaled_dot_product_attention not in (TORCH_SDPA, patched)
+        assert F.scaled_dot_product_attention == patched
+        assert outer.backend == "auto"
+    assert F.scaled_dot_product_attention is TORCH_SDPA
+    with pytest.raises(ValueError, match="boom"), flashbob.patch_sdpa():
+        raise ValueError("boom")
+    assert F.scaled_dot_product_attention is TORCH_SDPA
+
+    @flashbob.patch_sdpa()
+    def inside():
+        return F.scaled_dot_product_attention is not TORCH_SDPA
+
+    assert inside() and F.scaled_dot_product_attention is TORCH_SDPA
+
+
+class NanoGPTAttention(torch.nn.Module):
+    """nanoGPT's CausalSelfAttention, verbatim in structure: calls F.scaled_dot_product_attention."""
+
+    def __init__(self, dim=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+def model_hvp(model, x, loss_fn):
+    params = list(model.parameters())
+    grads = torch.autograd.grad(loss_fn(model, x), params, create_graph=True)
+    vec = [torch.ones_like(p) for p in params]
+    return torch.cat([h.reshape(-1) for h in torch.autograd.grad(grads, params, vec)])
+
+
+def test_patch_gives_nanogpt_double_backward(gen):
+    torch.manual_seed(0)
+    model = NanoGPTAttention().double()
+    x = torch.randn(2, 10, 16, generator=gen, dtype=torch.float64)
+    loss = lambda m, x: m(x).tanh().sum()  # noqa: E731
+    with flashbob.patch_sdpa():
+        got = model_hvp(model, x, loss)
+    with naive_sdpa():
+        want = model_hvp(model, x, loss)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_patch_gives_transformer_encoder_layer_double_backward(gen, padded, monkeypatch):
+    """TransformerEncoderLayer (training mode, so its fast path is off and MHA calls
+    F.scaled_dot_product_attention; dropout 0); key_padding_mask arrives as a float -inf mask per head."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True).double()
+    x = torch.randn(2, 7, 16, generator=gen, dtype=torch.float64)
+    padding = torch.zeros(2, 7, dtype=torch.bool)
+    padding[1, 5:] = True  # True = ignore (nn.MultiheadAttention's convention)
+    kwargs = dict(src_key_padding_mask=padding) if padded else {}
+    loss = lambda m, x: m(x, **kwargs).tanh().sum()  # noqa: E731
+    calls = []
+    attention = dropin.attention
+    monkeypatch.setattr(dropin, "attention", lambda *a, **kw: calls.append(kw["key_mask"]) or attention(*a, **kw))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        with flashbob.patch_sdpa():
+            got = model_hvp(layer, x, loss)
+    assert calls and all((mask is not None) == padded for mask in calls)  # ran on flashbob, padding as a key mask
+    with naive_sdpa():
+        want = model_hvp(layer, x, loss)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
