@@ -47,11 +47,15 @@ def select_backend(q: torch.Tensor, backend: BackendName) -> Backend:
     ``TRITON_INTERPRET=1`` in the environment before ``triton`` is first imported.
     For float32 inputs the kernels use TF32 matrix products only if
     ``torch.get_float32_matmul_precision()`` is not ``"highest"`` (PyTorch's default is full precision).
+    float64 CUDA tensors take the blocked backend under ``auto``: Triton 3.6 fails to compile the
+    kernels' float64 matrix products for Hopper (seen on an H200), so ``triton`` refuses them.
     """
     if backend not in ("auto", "triton", "blocked"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'blocked', got {backend!r}")
-    if backend == "blocked" or (backend == "auto" and not q.is_cuda):
+    if backend == "blocked" or (backend == "auto" and (not q.is_cuda or q.dtype == torch.float64)):
         return BLOCKED
+    if q.is_cuda and q.dtype == torch.float64:
+        raise ValueError("backend='triton' does not take float64 CUDA tensors; use backend='blocked' (or 'auto')")
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"backend='triton' needs CUDA tensors (got device {q.device}), or TRITON_INTERPRET=1 set "

@@ -126,3 +126,13 @@ def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
     q, k, v = _bad().values()
     with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
         flashbob.attention(q, k, v, backend="triton")
+
+
+def test_float64_cuda_tensors_take_the_blocked_backend():
+    """Triton cannot compile float64 kernels for Hopper: auto picks the blocked backend, triton refuses."""
+    from flashbob.attention import BLOCKED, select_backend
+
+    cuda_like = type("CudaLike", (), {"is_cuda": True, "dtype": torch.float64, "device": "cuda:0"})()
+    assert select_backend(cuda_like, "auto") is BLOCKED
+    with pytest.raises(ValueError, match="does not take float64 CUDA tensors"):
+        select_backend(cuda_like, "triton")
