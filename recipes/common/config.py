@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -15,6 +16,16 @@ from recipes.lm import checkpoint
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the key."""
+
+
+@dataclass
+class LoggerConfig:
+    """Where a recipe logs; each recipe subclasses it only to name its own W&B project."""
+
+    kind: str = "wandb"  # wandb | none (metrics.jsonl is written either way)
+    project: str = "flashbob"  # W&B project
+    entity: Optional[str] = None  # W&B entity (team or user); None: your default
+    wandb_mode: str = "offline"  # offline (files only, `wandb sync` later) | online (needs `wandb login`) | disabled
 
 
 def load(schema: type, path: str | None, overrides: Iterable[str]) -> DictConfig:

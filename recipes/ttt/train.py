@@ -94,11 +94,8 @@ class TrainConfig:
 
 
 @dataclass
-class LoggerConfig:
-    kind: str = "wandb"  # wandb | none (metrics.jsonl is written either way)
-    project: str = "flashbob-ttt"  # W&B project
-    entity: Optional[str] = None  # W&B entity (team or user); None: your default
-    wandb_mode: str = "offline"  # offline (files only, `wandb sync` later) | online (needs `wandb login`) | disabled
+class LoggerConfig(configs.LoggerConfig):
+    project: str = "flashbob-ttt"  # W&B project (kind, entity, wandb_mode: see recipes.common.config)
 
 
 @dataclass
