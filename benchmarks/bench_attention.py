@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import statistics
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -33,6 +32,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashbob
+from benchmarks.timing import median_ms
 from flashbob import reference
 
 FLOPS_PER_NMD = {"fwd": 4, "fwd_bwd": 14, "fwd_bwd_bob": 52, "bob": 38}
@@ -85,19 +85,6 @@ def make_workload(impl, workload, q, k, v, causal):
     return lambda: torch.autograd.grad(grads, inputs, bars, retain_graph=True)
 
 
-def time_ms(fn, reps: int) -> float:
-    """Median of ``reps`` CUDA-event timings of ``fn``."""
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def measure(impl, workload, n, batch, heads, head_dim, causal, dtype, warmup, reps) -> Row:
     row = Row(impl, workload, n, batch, heads, head_dim, causal, str(dtype).removeprefix("torch."), None, None, None, "ok")
     try:
@@ -108,7 +95,7 @@ def measure(impl, workload, n, batch, heads, head_dim, causal, dtype, warmup, re
             fn()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        row.ms = time_ms(fn, reps)
+        row.ms = median_ms(fn, reps)
         row.peak_gib = torch.cuda.max_memory_allocated() / 2**30
         flops = FLOPS_PER_NMD[workload] * n * n * head_dim * batch * heads * (0.5 if causal else 1.0)
         row.tflops = flops / (row.ms * 1e-3) / 1e12

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import statistics
 from contextlib import nullcontext
 from pathlib import Path
 from unittest import mock
@@ -22,6 +21,7 @@ from unittest import mock
 import torch
 
 import optim
+from benchmarks.timing import median_ms
 from flashbob import reference
 from recipes.lm import model as lm_model
 
@@ -59,15 +59,7 @@ def measure(fn, warmup, reps):
         fn()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
+    return median_ms(fn, reps), torch.cuda.max_memory_allocated() / 2**30
 
 
 def main() -> None:
