@@ -81,9 +81,9 @@ def random_inputs(shape, dtype, device, generator):
 
 def flashbob_outputs(kernels, x, *, causal, scale):
     """The eight outputs through the Triton kernels, chained as the autograd wiring chains them."""
-    o, lse = kernels.forward(x["q"], x["k"], x["v"], causal=causal, scale=scale)
-    dq, dk, dv, delta = kernels.backward(x["q"], x["k"], x["v"], o, lse, x["do"], causal=causal, scale=scale)
-    bob = kernels.bob(x["q"], x["k"], x["v"], x["do"], o, lse, delta, x["dq_bar"], x["dk_bar"], x["dv_bar"],
+    o, stats = kernels.forward(x["q"], x["k"], x["v"], causal=causal, scale=scale)
+    dq, dk, dv, delta = kernels.backward(x["q"], x["k"], x["v"], o, stats, x["do"], causal=causal, scale=scale)
+    bob = kernels.bob(x["q"], x["k"], x["v"], x["do"], o, stats, delta, x["dq_bar"], x["dk_bar"], x["dv_bar"],
                       causal=causal, scale=scale)
     return dict(zip(OUTPUTS, (o, dq, dk, dv, *bob)))
 

@@ -202,5 +202,5 @@ def attention(
     chosen = select_backend(q, backend)
     if chosen.name == "triton":
         check_triton_limits(q, k)
-    o, _lse = Attention.apply(q, k, v, key_mask, causal, float(scale), chosen)
+    o, _stats = Attention.apply(q, k, v, key_mask, causal, float(scale), chosen)
     return o

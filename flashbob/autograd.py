@@ -3,7 +3,7 @@
 Each Function only wires a backend's ``forward``, ``backward`` and ``bob`` together; the math
 lives in the backends (:mod:`flashbob.blocked`, :mod:`flashbob.kernels`). Because the first
 backward is itself a Function, ``torch.autograd.grad(out, inputs, create_graph=True)`` builds a
-graph whose backward is the closed-form BoB, so second derivatives are exact. ``O``, ``lse`` and
+graph whose backward is the closed-form BoB, so second derivatives are exact. ``O``, ``stats`` and
 ``Δ`` enter the lower levels as constants: the BoB formulas already account for every path
 through them. A third derivative raises a clear error instead of returning a wrong answer.
 
@@ -44,7 +44,8 @@ def _unfold(info, outputs):
 
 
 class Attention(torch.autograd.Function):
-    """``(Q, K, V) -> (O, lse)``; ``lse`` is returned only so it can be saved."""
+    """``(Q, K, V) -> (O, stats)``; ``stats`` (the backend's softmax row statistics: lse for the blocked
+    backend, row max and log-sum for the kernels) is returned only so it can be saved."""
 
     @staticmethod
     def forward(q, k, v, key_mask, causal: bool, scale: float, backend):
@@ -53,15 +54,15 @@ class Attention(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         q, k, v, key_mask, ctx.causal, ctx.scale, ctx.backend = inputs
-        o, lse = output
-        ctx.mark_non_differentiable(lse)
-        ctx.save_for_backward(q, k, v, o, lse, key_mask)
+        o, stats = output
+        ctx.mark_non_differentiable(stats)
+        ctx.save_for_backward(q, k, v, o, stats, key_mask)
 
     @staticmethod
-    def backward(ctx, do, _lse_grad):
-        q, k, v, o, lse, key_mask = ctx.saved_tensors
+    def backward(ctx, do, _stats_grad):
+        q, k, v, o, stats, key_mask = ctx.saved_tensors
         dq, dk, dv, _delta = AttentionBackward.apply(
-            q, k, v, do, o.detach(), lse, key_mask, ctx.causal, ctx.scale, ctx.backend
+            q, k, v, do, o.detach(), stats, key_mask, ctx.causal, ctx.scale, ctx.backend
         )
         return dq, dk, dv, None, None, None, None
 
@@ -75,25 +76,25 @@ class Attention(torch.autograd.Function):
 
 
 class AttentionBackward(torch.autograd.Function):
-    """``(Q, K, V, dO) -> (dQ, dK, dV, Δ)`` with ``O`` and ``lse`` as constants."""
+    """``(Q, K, V, dO) -> (dQ, dK, dV, Δ)`` with ``O`` and ``stats`` as constants."""
 
     @staticmethod
-    def forward(q, k, v, do, o, lse, key_mask, causal: bool, scale: float, backend):
-        return backend.backward(q, k, v, o, lse, do, causal=causal, scale=scale, key_mask=key_mask)
+    def forward(q, k, v, do, o, stats, key_mask, causal: bool, scale: float, backend):
+        return backend.backward(q, k, v, o, stats, do, causal=causal, scale=scale, key_mask=key_mask)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, do, o, lse, key_mask, ctx.causal, ctx.scale, ctx.backend = inputs
+        q, k, v, do, o, stats, key_mask, ctx.causal, ctx.scale, ctx.backend = inputs
         delta = output[3]
         ctx.mark_non_differentiable(delta)
         ctx.set_materialize_grads(False)  # absent cotangents stay None: BoB specialises on them
-        ctx.save_for_backward(q, k, v, do, o, lse, delta, key_mask)
+        ctx.save_for_backward(q, k, v, do, o, stats, delta, key_mask)
 
     @staticmethod
     def backward(ctx, dq_bar, dk_bar, dv_bar, _delta_grad):
-        q, k, v, do, o, lse, delta, key_mask = ctx.saved_tensors
+        q, k, v, do, o, stats, delta, key_mask = ctx.saved_tensors
         q_bar, k_bar, v_bar, do_bar = BackwardOverBackward.apply(
-            q, k, v, do, o, lse, delta, dq_bar, dk_bar, dv_bar, key_mask, ctx.causal, ctx.scale, ctx.backend
+            q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, key_mask, ctx.causal, ctx.scale, ctx.backend
         )
         return q_bar, k_bar, v_bar, do_bar, None, None, None, None, None, None
 
@@ -110,9 +111,9 @@ class BackwardOverBackward(torch.autograd.Function):
     """``(Q, K, V, dO; Ū, W̄, Z̄) -> (Q̄, K̄, V̄, dŌ)``, the closed-form BoB; not differentiable."""
 
     @staticmethod
-    def forward(q, k, v, do, o, lse, delta, dq_bar, dk_bar, dv_bar, key_mask, causal, scale, backend):
+    def forward(q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, key_mask, causal, scale, backend):
         return backend.bob(
-            q, k, v, do, o, lse, delta, dq_bar, dk_bar, dv_bar, causal=causal, scale=scale, key_mask=key_mask
+            q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, causal=causal, scale=scale, key_mask=key_mask
         )
 
     @staticmethod

@@ -55,11 +55,12 @@ def make_inputs(gen, shape, dtype, *, layout="contiguous"):
 def run_kernels(inputs, cotangents, *, causal, scale):
     """All ten outputs of forward, backward and BoB, chained as the autograd wiring chains them."""
     q, k, v, do = (inputs[name] for name in ("q", "k", "v", "do"))
-    o, lse = kernels.forward(q, k, v, causal=causal, scale=scale)
-    dq, dk, dv, delta = kernels.backward(q, k, v, o, lse, do, causal=causal, scale=scale)
+    o, stats = kernels.forward(q, k, v, causal=causal, scale=scale)
+    dq, dk, dv, delta = kernels.backward(q, k, v, o, stats, do, causal=causal, scale=scale)
     bars = [inputs[name] if name in cotangents else None for name in COTANGENTS]
-    outs = kernels.bob(q, k, v, do, o, lse, delta, *bars, causal=causal, scale=scale)
-    return dict(zip(FORWARD + BACKWARD + BOB, (o, lse, dq, dk, dv, delta, *outs)))
+    outs = kernels.bob(q, k, v, do, o, stats, delta, *bars, causal=causal, scale=scale)
+    assert stats.shape == (*q.shape[:2], 2, q.shape[2]), "stats must be (B, H, 2, N)"
+    return dict(zip(FORWARD + BACKWARD + BOB, (o, kernels.logsumexp(stats), dq, dk, dv, delta, *outs)))
 
 
 def run_reference(inputs, cotangents, *, causal, scale, dtype=torch.float64):

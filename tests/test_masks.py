@@ -42,10 +42,10 @@ def make_case(gen, batch, heads, kv_heads, n, m, head_dim, *, empty_row_batch=Tr
 
 def run_backend(module, t, key_mask, causal, scale):
     q, k, v, do = (t[name] for name in ("q", "k", "v", "do"))
-    o, lse = module.forward(q, k, v, causal=causal, scale=scale, key_mask=key_mask)
-    dq, dk, dv, delta = module.backward(q, k, v, o, lse, do, causal=causal, scale=scale, key_mask=key_mask)
+    o, stats = module.forward(q, k, v, causal=causal, scale=scale, key_mask=key_mask)
+    dq, dk, dv, delta = module.backward(q, k, v, o, stats, do, causal=causal, scale=scale, key_mask=key_mask)
     bars = [t[name] for name in COTANGENTS]
-    outs = module.bob(q, k, v, do, o, lse, delta, *bars, causal=causal, scale=scale, key_mask=key_mask)
+    outs = module.bob(q, k, v, do, o, stats, delta, *bars, causal=causal, scale=scale, key_mask=key_mask)
     return dict(zip(NAMES, (o, dq, dk, dv, *outs)))
 
 

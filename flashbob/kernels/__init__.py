@@ -2,6 +2,7 @@
 
 from .backward import backward
 from .bob import bob
+from .common import logsumexp
 from .forward import forward
 
-__all__ = ["forward", "backward", "bob"]
+__all__ = ["forward", "backward", "bob", "logsumexp"]

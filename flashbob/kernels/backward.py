@@ -15,12 +15,14 @@ from .common import (
     head_pointer,
     key_mask_operand,
     key_mask_pointer,
+    load_softmax_stats,
     load_tile,
     operand,
     probabilities,
     probabilities_transposed,
-    row_statistic,
     row_vector_pointer,
+    softmax_stats,
+    softmax_stats_pointer,
     store_tile,
     strides,
 )
@@ -44,7 +46,7 @@ def _delta_kernel(
 
 @triton.jit
 def _dkdv_inner(
-    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qn, stride_don, keys, start, end, N, qk_scale,
+    dk, dv, k, v, q_base, do_base, stats_base, delta_base, stride_qn, stride_don, keys, start, end, N, qk_scale,
     key_mask_base, M,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASK_CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
@@ -56,10 +58,10 @@ def _dkdv_inner(
         rows = start_m + tl.arange(0, BLOCK_M)
         q = load_tile(q_base, rows, N, stride_qn, HEAD_DIM, BLOCK_D)
         do = load_tile(do_base, rows, N, stride_don, HEAD_DIM, BLOCK_D)
-        lse2 = tl.load(lse_base + rows, mask=rows < N, other=float("inf")) * LOG2E
+        row_max, log_sum = load_softmax_stats(stats_base, rows, N)
         delta = tl.load(delta_base + rows, mask=rows < N, other=0.0)
         p_t = probabilities_transposed(
-            k, q, lse2, rows, keys, qk_scale, MASK_CAUSAL, PRECISION, key_mask_base, M, HAS_KEY_MASK
+            k, q, row_max, log_sum, rows, keys, qk_scale, MASK_CAUSAL, PRECISION, key_mask_base, M, HAS_KEY_MASK
         )
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -70,7 +72,7 @@ def _dkdv_inner(
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
+    Q, K, V, DO, STATS, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     heads, kv_heads, group, N, M, qk_scale, scale, KEY_MASK,
@@ -90,7 +92,7 @@ def _dkdv_kernel(
     key_mask_base = key_mask_pointer(KEY_MASK, batch, M)
     k = load_tile(head_pointer(K, batch, kv_head, stride_kb, stride_kh), keys, M, stride_kn, HEAD_DIM, BLOCK_D)
     v = load_tile(head_pointer(V, batch, kv_head, stride_vb, stride_vh), keys, M, stride_vn, HEAD_DIM, BLOCK_D)
-    acc_dtype = LSE.dtype.element_ty
+    acc_dtype = DELTA.dtype.element_ty
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
 
@@ -102,15 +104,15 @@ def _dkdv_kernel(
         head = kv_head * group + member
         q_base = head_pointer(Q, batch, head, stride_qb, stride_qh)
         do_base = head_pointer(DO, batch, head, stride_dob, stride_doh)
-        lse_base = row_vector_pointer(LSE, batch * heads + head, N)
+        stats_base = softmax_stats_pointer(STATS, batch * heads + head, N)
         delta_base = row_vector_pointer(DELTA, batch * heads + head, N)
         if CAUSAL:
             dk, dv = _dkdv_inner(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qn, stride_don, keys, start_n,
+                dk, dv, k, v, q_base, do_base, stats_base, delta_base, stride_qn, stride_don, keys, start_n,
                 masked_end, N, qk_scale, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION, HAS_KEY_MASK,
             )
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qn, stride_don, keys, masked_end, N, N,
+            dk, dv, k, v, q_base, do_base, stats_base, delta_base, stride_qn, stride_don, keys, masked_end, N, N,
             qk_scale, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, False, PRECISION, HAS_KEY_MASK,
         )
 
@@ -122,7 +124,7 @@ def _dkdv_kernel(
 
 @triton.jit
 def _dq_inner(
-    dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, rows, start, end, M, qk_scale, key_mask_base,
+    dq, q, do, row_max, log_sum, delta, k_base, v_base, stride_kn, stride_vn, rows, start, end, M, qk_scale, key_mask_base,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
@@ -131,7 +133,7 @@ def _dq_inner(
         keys = start_n + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, keys, M, stride_kn, HEAD_DIM, BLOCK_D)
         v = load_tile(v_base, keys, M, stride_vn, HEAD_DIM, BLOCK_D)
-        p = probabilities(q, k, lse2, rows, keys, M, qk_scale, MASK_CAUSAL, PRECISION, key_mask_base, HAS_KEY_MASK)
+        p = probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, MASK_CAUSAL, PRECISION, key_mask_base, HAS_KEY_MASK)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
@@ -140,7 +142,7 @@ def _dq_inner(
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ,
+    Q, K, V, DO, STATS, DELTA, DQ,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
     heads, group, N, M, qk_scale, scale, KEY_MASK,
@@ -159,9 +161,9 @@ def _dq_kernel(
     rows = start_m + tl.arange(0, BLOCK_M)
     q = load_tile(head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM, BLOCK_D)
     do = load_tile(head_pointer(DO, batch, head, stride_dob, stride_doh), rows, N, stride_don, HEAD_DIM, BLOCK_D)
-    lse2 = tl.load(row_vector_pointer(LSE, batch_head, N) + rows, mask=rows < N, other=0.0) * LOG2E
+    row_max, log_sum = load_softmax_stats(softmax_stats_pointer(STATS, batch_head, N), rows, N)
     delta = tl.load(row_vector_pointer(DELTA, batch_head, N) + rows, mask=rows < N, other=0.0)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=LSE.dtype.element_ty)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=DELTA.dtype.element_ty)
 
     if CAUSAL:
         end = tl.minimum(M, start_m + BLOCK_M)
@@ -170,12 +172,12 @@ def _dq_kernel(
         end = M
         unmasked_end = M
     dq = _dq_inner(
-        dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, rows, 0, unmasked_end, M, qk_scale,
+        dq, q, do, row_max, log_sum, delta, k_base, v_base, stride_kn, stride_vn, rows, 0, unmasked_end, M, qk_scale,
         key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION, HAS_KEY_MASK,
     )
     if CAUSAL:
         dq = _dq_inner(
-            dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, rows, unmasked_end, end, M, qk_scale,
+            dq, q, do, row_max, log_sum, delta, k_base, v_base, stride_kn, stride_vn, rows, unmasked_end, end, M, qk_scale,
             key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, HAS_KEY_MASK,
         )
     dq_base = head_pointer(DQ, batch, head, stride_dqb, stride_dqh)
@@ -183,23 +185,23 @@ def _dq_kernel(
 
 
 def backward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, stats: torch.Tensor, do: torch.Tensor,
     *, causal: bool, scale: float, allow_tf32: bool = False, key_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""Gradients of attention for the output cotangent ``do``.
 
     .. math::
-        P = e^{S - \mathrm{lse}},\quad \Delta_i = dO_i \cdot O_i,\quad dS = P \circ (dO V^\top - \Delta),\\
+        P = \mathrm{softmax}_\text{row}(S),\quad \Delta_i = dO_i \cdot O_i,\quad dS = P \circ (dO V^\top - \Delta),\\
         dQ = \tau\, dS K,\quad dK = \tau\, dS^\top Q,\quad dV = P^\top dO
 
     Args:
         q, k, v, causal, scale, allow_tf32, key_mask: as in :func:`flashbob.kernels.forward`.
-        o, lse: the forward's outputs.
+        o, stats: the forward's outputs.
         do: ``(B, H, N, d)`` cotangent of ``o``.
 
     Returns:
         ``dq`` like ``q``; ``dk``, ``dv`` like ``k``, ``v`` (summed over the query heads of each kv
-        group); ``delta`` ``(B, H, N)`` in the dtype of ``lse`` (float32, float64 for float64 inputs).
+        group); ``delta`` ``(B, H, N)`` in the dtype of ``stats`` (float32, float64 for float64 inputs).
     """
     check_qkv(q, k, v)
     if o.shape != q.shape or do.shape != q.shape:
@@ -208,8 +210,8 @@ def backward(
     q, k, v, o, do = (operand(x, q) for x in (q, k, v, o, do))
     batch, heads, n, head_dim = q.shape
     kv_heads, m = k.shape[1], k.shape[2]
-    lse = row_statistic(lse, q)
-    delta = torch.empty_like(lse)
+    stats = softmax_stats(stats, q)
+    delta = torch.empty(q.shape[:3], dtype=stats.dtype, device=q.device)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     shape = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim))
     precision = dot_precision(q.dtype, allow_tf32)
@@ -222,14 +224,14 @@ def backward(
     )
     configs.launch(
         "dkdv", _dkdv_kernel, lambda meta: (triton.cdiv(m, meta["BLOCK_N"]), batch * kv_heads),
-        q, k, v, do, lse, delta, dk, dv, *strides(q), *strides(k), *strides(v), *strides(do), *strides(dk),
+        q, k, v, do, stats, delta, dk, dv, *strides(q), *strides(k), *strides(v), *strides(do), *strides(dk),
         *strides(dv), heads, kv_heads, heads // kv_heads, n, m, qk_scale, scale, key_mask,
         head_dim=head_dim, dtype=q.dtype, length=m, **shape, CAUSAL=causal, PRECISION=precision,
         HAS_KEY_MASK=has_key_mask,
     )
     configs.launch(
         "dq", _dq_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads),
-        q, k, v, do, lse, delta, dq, *strides(q), *strides(k), *strides(v), *strides(do), *strides(dq),
+        q, k, v, do, stats, delta, dq, *strides(q), *strides(k), *strides(v), *strides(do), *strides(dq),
         heads, heads // kv_heads, n, m, qk_scale, scale, key_mask,
         head_dim=head_dim, dtype=q.dtype, length=n, **shape, CAUSAL=causal, PRECISION=precision,
         HAS_KEY_MASK=has_key_mask,

@@ -15,12 +15,15 @@ from .common import (
     head_pointer,
     key_mask_operand,
     key_mask_pointer,
+    load_softmax_stats,
     load_tile,
     operand,
     probabilities,
     probabilities_transposed,
     row_statistic,
     row_vector_pointer,
+    softmax_stats,
+    softmax_stats_pointer,
     store_tile,
     strides,
 )
@@ -28,7 +31,7 @@ from .common import (
 
 @triton.jit
 def _bob_rows_inner(
-    a, c, r1, r2, r3, r4, q, do, u_bar, lse2, delta,
+    a, c, r1, r2, r3, r4, q, do, u_bar, row_max, log_sum, delta,
     k_base, v_base, w_bar_base, z_bar_base, stride_kn, stride_vn, stride_wn, stride_zn,
     rows, start, end, M, qk_scale, scale, key_mask_base,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr,
@@ -57,7 +60,7 @@ def _bob_rows_inner(
             w_bar = load_tile(w_bar_base, keys, M, stride_wn, HEAD_DIM, BLOCK_D)
         if HAS_DV_BAR:
             z_bar = load_tile(z_bar_base, keys, M, stride_zn, HEAD_DIM, BLOCK_D)
-        p = probabilities(q, k, lse2, rows, keys, M, qk_scale, MASK_CAUSAL, PRECISION, key_mask_base, HAS_KEY_MASK)
+        p = probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, MASK_CAUSAL, PRECISION, key_mask_base, HAS_KEY_MASK)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         dp_centered = dp - delta[:, None]
         x = tl.zeros_like(p)
@@ -87,7 +90,7 @@ def _bob_rows_inner(
 
 @triton.jit
 def _bob_rows_kernel(
-    Q, K, V, O, DO, LSE, DELTA, U_BAR, W_BAR, Z_BAR, Q_BAR, DO_BAR, A, C,
+    Q, K, V, O, DO, STATS, DELTA, U_BAR, W_BAR, Z_BAR, Q_BAR, DO_BAR, A, C,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
     stride_ub, stride_uh, stride_un, stride_wb, stride_wh, stride_wn, stride_zb, stride_zh, stride_zn,
@@ -122,9 +125,9 @@ def _bob_rows_kernel(
         u_bar = load_tile(head_pointer(U_BAR, batch, head, stride_ub, stride_uh), rows, N, stride_un, HEAD_DIM, BLOCK_D)
     else:
         u_bar = tl.zeros_like(q)  # placeholder, never read
-    lse2 = tl.load(row_vector_pointer(LSE, batch_head, N) + rows, mask=rows < N, other=0.0) * LOG2E
+    row_max, log_sum = load_softmax_stats(softmax_stats_pointer(STATS, batch_head, N), rows, N)
     delta = tl.load(row_vector_pointer(DELTA, batch_head, N) + rows, mask=rows < N, other=0.0)
-    acc_dtype = LSE.dtype.element_ty
+    acc_dtype = DELTA.dtype.element_ty
     a = tl.zeros([BLOCK_M], dtype=acc_dtype)
     c = tl.zeros([BLOCK_M], dtype=acc_dtype)
     r1 = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
@@ -139,13 +142,13 @@ def _bob_rows_kernel(
         end = M
         unmasked_end = M
     a, c, r1, r2, r3, r4 = _bob_rows_inner(
-        a, c, r1, r2, r3, r4, q, do, u_bar, lse2, delta, k_base, v_base, w_bar_base, z_bar_base,
+        a, c, r1, r2, r3, r4, q, do, u_bar, row_max, log_sum, delta, k_base, v_base, w_bar_base, z_bar_base,
         stride_kn, stride_vn, stride_wn, stride_zn, rows, 0, unmasked_end, M, qk_scale, scale,
         key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, HAS_KEY_MASK,
     )
     if CAUSAL:
         a, c, r1, r2, r3, r4 = _bob_rows_inner(
-            a, c, r1, r2, r3, r4, q, do, u_bar, lse2, delta, k_base, v_base, w_bar_base, z_bar_base,
+            a, c, r1, r2, r3, r4, q, do, u_bar, row_max, log_sum, delta, k_base, v_base, w_bar_base, z_bar_base,
             stride_kn, stride_vn, stride_wn, stride_zn, rows, unmasked_end, end, M, qk_scale, scale,
             key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION,
             HAS_KEY_MASK,
@@ -165,7 +168,7 @@ def _bob_rows_kernel(
 @triton.jit
 def _bob_columns_inner(
     k_bar, v_bar, k, v, w_bar, z_bar,
-    q_base, do_base, u_bar_base, lse_base, delta_base, a_base, c_base, stride_qn, stride_don, stride_un,
+    q_base, do_base, u_bar_base, stats_base, delta_base, a_base, c_base, stride_qn, stride_don, stride_un,
     keys, start, end, N, qk_scale, scale, key_mask_base, M,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASK_CAUSAL: tl.constexpr,
     HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr, PRECISION: tl.constexpr,
@@ -186,11 +189,11 @@ def _bob_columns_inner(
         do = load_tile(do_base, rows, N, stride_don, HEAD_DIM, BLOCK_D)
         if HAS_DQ_BAR:
             u_bar = load_tile(u_bar_base, rows, N, stride_un, HEAD_DIM, BLOCK_D)
-        lse2 = tl.load(lse_base + rows, mask=rows < N, other=float("inf")) * LOG2E
+        row_max, log_sum = load_softmax_stats(stats_base, rows, N)
         delta = tl.load(delta_base + rows, mask=rows < N, other=0.0)
         c = tl.load(c_base + rows, mask=rows < N, other=0.0)
         p_t = probabilities_transposed(
-            k, q, lse2, rows, keys, qk_scale, MASK_CAUSAL, PRECISION, key_mask_base, M, HAS_KEY_MASK
+            k, q, row_max, log_sum, rows, keys, qk_scale, MASK_CAUSAL, PRECISION, key_mask_base, M, HAS_KEY_MASK
         )
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         dp_centered_t = dp_t - delta[None, :]
@@ -216,7 +219,7 @@ def _bob_columns_inner(
 
 @triton.jit
 def _bob_columns_kernel(
-    Q, K, V, DO, LSE, DELTA, A, C, U_BAR, W_BAR, Z_BAR, K_BAR, V_BAR,
+    Q, K, V, DO, STATS, DELTA, A, C, U_BAR, W_BAR, Z_BAR, K_BAR, V_BAR,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don, stride_ub, stride_uh, stride_un,
     stride_wb, stride_wh, stride_wn, stride_zb, stride_zh, stride_zn,
@@ -246,7 +249,7 @@ def _bob_columns_kernel(
         z_bar = load_tile(z_bar_base, keys, M, stride_zn, HEAD_DIM, BLOCK_D)
     else:
         z_bar = tl.zeros_like(k)  # placeholder, never read
-    acc_dtype = LSE.dtype.element_ty
+    acc_dtype = DELTA.dtype.element_ty
     k_bar = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
     v_bar = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
 
@@ -260,19 +263,19 @@ def _bob_columns_kernel(
         q_base = head_pointer(Q, batch, head, stride_qb, stride_qh)
         do_base = head_pointer(DO, batch, head, stride_dob, stride_doh)
         u_bar_base = head_pointer(U_BAR, batch, head, stride_ub, stride_uh)
-        lse_base = row_vector_pointer(LSE, batch_head, N)
+        stats_base = softmax_stats_pointer(STATS, batch_head, N)
         delta_base = row_vector_pointer(DELTA, batch_head, N)
         a_base = row_vector_pointer(A, batch_head, N)
         c_base = row_vector_pointer(C, batch_head, N)
         if CAUSAL:
             k_bar, v_bar = _bob_columns_inner(
-                k_bar, v_bar, k, v, w_bar, z_bar, q_base, do_base, u_bar_base, lse_base, delta_base, a_base,
+                k_bar, v_bar, k, v, w_bar, z_bar, q_base, do_base, u_bar_base, stats_base, delta_base, a_base,
                 c_base, stride_qn, stride_don, stride_un, keys, start_n, masked_end, N, qk_scale, scale,
                 key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION,
                 HAS_KEY_MASK,
             )
         k_bar, v_bar = _bob_columns_inner(
-            k_bar, v_bar, k, v, w_bar, z_bar, q_base, do_base, u_bar_base, lse_base, delta_base, a_base,
+            k_bar, v_bar, k, v, w_bar, z_bar, q_base, do_base, u_bar_base, stats_base, delta_base, a_base,
             c_base, stride_qn, stride_don, stride_un, keys, masked_end, N, N, qk_scale, scale,
             key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION,
             HAS_KEY_MASK,
@@ -285,7 +288,7 @@ def _bob_columns_kernel(
 
 
 def bob(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, o: torch.Tensor, stats: torch.Tensor,
     delta: torch.Tensor, dq_bar: torch.Tensor | None, dk_bar: torch.Tensor | None, dv_bar: torch.Tensor | None,
     *, causal: bool, scale: float, allow_tf32: bool = False, key_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -301,12 +304,12 @@ def bob(
         \bar V = G_{dP}^\top dO,\quad d\bar O = (P \circ \bar A) V - A \circ O + P \bar Z
 
     computed in two sweeps without any N x M tensor: rows (pass 1: :math:`\bar Q, d\bar O, A, C`),
-    then columns (pass 2: :math:`\bar K, \bar V`). O, lse and Δ are treated as constants: the
+    then columns (pass 2: :math:`\bar K, \bar V`). O, the softmax statistics and Δ are treated as constants: the
     formulas already contain every path through them.
 
     Args:
         q, k, v, causal, scale, allow_tf32, key_mask: as in :func:`flashbob.kernels.forward`.
-        do: the cotangent the backward was run with; o, lse: forward outputs; delta: from the backward.
+        do: the cotangent the backward was run with; o, stats: forward outputs; delta: from the backward.
         dq_bar: ``(B, H, N, d)``; dk_bar, dv_bar: ``(B, Hkv, M, d)``; each may be None (= zero), which
             compiles its terms out. When all three are None, zeros are returned without a launch.
 
@@ -324,8 +327,8 @@ def bob(
     q, k, v, do, o = (operand(x, q) for x in (q, k, v, do, o))
     batch, heads, n, head_dim = q.shape
     kv_heads, m = k.shape[1], k.shape[2]
-    lse, delta = row_statistic(lse, q), row_statistic(delta, q)
-    a, c = torch.empty_like(lse), torch.empty_like(lse)
+    stats, delta = softmax_stats(stats, q), row_statistic(delta, q)
+    a, c = torch.empty_like(delta), torch.empty_like(delta)
     q_bar, k_bar, v_bar, do_bar = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(do)
     # Absent cotangents are passed as placeholders (q or k) that the kernels never read.
     u_bar = q if dq_bar is None else operand(dq_bar, q)
@@ -341,14 +344,14 @@ def bob(
 
     configs.launch(
         "bob_rows", _bob_rows_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads),
-        q, k, v, o, do, lse, delta, u_bar, w_bar, z_bar, q_bar, do_bar, a, c,
+        q, k, v, o, do, stats, delta, u_bar, w_bar, z_bar, q_bar, do_bar, a, c,
         *strides(q), *strides(k), *strides(v), *strides(o), *strides(do), *strides(u_bar), *strides(w_bar),
         *strides(z_bar), *strides(q_bar), *strides(do_bar), heads, heads // kv_heads, n, m, qk_scale, scale, key_mask,
         head_dim=head_dim, dtype=q.dtype, length=n, **constants,
     )
     configs.launch(
         "bob_cols", _bob_columns_kernel, lambda meta: (triton.cdiv(m, meta["BLOCK_N"]), batch * kv_heads),
-        q, k, v, do, lse, delta, a, c, u_bar, w_bar, z_bar, k_bar, v_bar,
+        q, k, v, do, stats, delta, a, c, u_bar, w_bar, z_bar, k_bar, v_bar,
         *strides(q), *strides(k), *strides(v), *strides(do), *strides(u_bar), *strides(w_bar), *strides(z_bar),
         *strides(k_bar), *strides(v_bar), heads, kv_heads, heads // kv_heads, n, m, qk_scale, scale, key_mask,
         head_dim=head_dim, dtype=q.dtype, length=m, **constants,

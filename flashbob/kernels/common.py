@@ -11,7 +11,7 @@ import triton.language as tl
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-# exp(x) = exp2(x * log2(e)): the kernels work in base 2 and store lse in natural units.
+# exp(x) = exp2(x * log2(e)): the kernels work in base 2.
 LOG2E = tl.constexpr(math.log2(math.e))
 
 
@@ -46,9 +46,31 @@ def store_tile(X, tile, rows, n_rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_
 
 @triton.jit
 def row_vector_pointer(X, batch_head, n_rows):
-    """Pointer to the row statistics (lse, delta, A, C) of one (batch, head) in a contiguous
+    """Pointer to the row statistics (delta, A, C) of one (batch, head) in a contiguous
     ``(batch, heads, n_rows)`` tensor; ``batch_head = batch * heads + head``."""
     return X + batch_head.to(tl.int64) * n_rows
+
+
+@triton.jit
+def softmax_stats_pointer(STATS, batch_head, n_rows):
+    """Pointer to the softmax statistics of one (batch, head) in a contiguous ``(batch, heads, 2, n_rows)``
+    tensor (see :func:`load_softmax_stats`)."""
+    return STATS + batch_head.to(tl.int64) * 2 * n_rows
+
+
+@triton.jit
+def load_softmax_stats(stats_base, rows, n_rows):
+    r"""Row maximum :math:`m_i` of the base-2 scores :math:`s_{ij} = \tau\, q_i \cdot k_j \log_2 e` and
+    :math:`\log_2 \ell_i` with :math:`\ell_i = \sum_j 2^{s_{ij} - m_i}`, so that
+    :math:`P_{ij} = 2^{(s_{ij} - m_i) - \log_2 \ell_i}`. Rows past ``n_rows`` read :math:`(+\infty, 0)`,
+    like rows that see no key, so that their P is 0.
+
+    The two numbers are kept apart rather than summed into one float32 lse: :math:`s - m` is exact where
+    it matters (the largest scores of a row), so P of a row sums to 1 to float32 rounding however large
+    the scores are, and a row with one visible key gets P = 1 exactly."""
+    row_max = tl.load(stats_base + rows, mask=rows < n_rows, other=float("inf"))
+    log_sum = tl.load(stats_base + n_rows + rows, mask=rows < n_rows, other=0.0)
+    return row_max, log_sum
 
 
 @triton.jit
@@ -72,31 +94,30 @@ def visible_keys(rows, keys, M, MASK_CAUSAL: tl.constexpr, key_mask_base, HAS_KE
 
 @triton.jit
 def probabilities(
-    q, k, lse2, rows, keys, M, qk_scale, MASK_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    q, k, row_max, log_sum, rows, keys, M, qk_scale, MASK_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
     key_mask_base, HAS_KEY_MASK: tl.constexpr,
 ):
-    r"""Tile :math:`P_{ij} = \exp(\tau\, q_i \cdot k_j - \mathrm{lse}_i)` of a row kernel, zero for
-    invisible keys; ``qk_scale`` is :math:`\tau \log_2 e` and ``lse2`` is :math:`\mathrm{lse} \log_2 e`
-    (``+inf`` for rows that see no key, whose P is then 0)."""
+    r"""Tile :math:`P_{ij} = 2^{(s_{ij} - m_i) - \log_2 \ell_i}` of a row kernel (:func:`load_softmax_stats`),
+    zero for invisible keys; ``qk_scale`` is :math:`\tau \log_2 e`."""
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     scores = tl.where(visible_keys(rows, keys, M, MASK_CAUSAL, key_mask_base, HAS_KEY_MASK), scores, float("-inf"))
-    return tl.exp2(scores - lse2[:, None])
+    return tl.exp2((scores - row_max[:, None]) - log_sum[:, None])
 
 
 @triton.jit
 def probabilities_transposed(
-    k, q, lse2, rows, keys, qk_scale, MASK_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    k, q, row_max, log_sum, rows, keys, qk_scale, MASK_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
     key_mask_base, M, HAS_KEY_MASK: tl.constexpr,
 ):
     r"""Tile :math:`P^\top` (keys by queries) of a column kernel. Keys past M need no mask (their
-    rows are never stored); queries past N must come with ``lse2 = +inf`` so that their P is 0.
-    Masked keys (key-padding mask) get P = 0."""
+    rows are never stored); queries past N come with ``row_max = +inf`` (:func:`load_softmax_stats`)
+    so that their P is 0. Masked keys (key-padding mask) get P = 0."""
     scores = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
     if MASK_CAUSAL:
         scores = tl.where(keys[:, None] <= rows[None, :], scores, float("-inf"))
     if HAS_KEY_MASK:
         scores = tl.where(kept_keys(key_mask_base, keys, M)[:, None], scores, float("-inf"))
-    return tl.exp2(scores - lse2[None, :])
+    return tl.exp2((scores - row_max[None, :]) - log_sum[None, :])
 
 
 # ----------------------------------------------------------------------------- host helpers
@@ -146,16 +167,31 @@ def operand(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def row_statistic(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """A ``(B, H, N)`` statistic of ``q``'s rows (lse, delta) as a contiguous tensor in the
-    accumulator dtype (copied only if needed: N floats per head, cheap)."""
+def row_statistic(x: torch.Tensor, q: torch.Tensor, name: str = "delta") -> torch.Tensor:
+    """A ``(B, H, N)`` statistic of ``q``'s rows (delta) as a contiguous tensor in the accumulator
+    dtype (copied only if needed: N floats per head, cheap)."""
     if x.shape != q.shape[:3]:
-        raise ValueError(f"row statistics must have shape {tuple(q.shape[:3])}; got {tuple(x.shape)}")
+        raise ValueError(f"{name} must have shape {tuple(q.shape[:3])}; got {tuple(x.shape)}")
     return x.to(accumulator_dtype(q.dtype)).contiguous()
 
 
+def softmax_stats(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The forward's ``(B, H, 2, N)`` softmax statistics of ``q``'s rows, contiguous, accumulator dtype."""
+    batch, heads, n, _ = q.shape
+    if x.shape != (batch, heads, 2, n):
+        raise ValueError(f"stats must be the forward's softmax statistics of shape {(batch, heads, 2, n)}; "
+                         f"got {tuple(x.shape)}")
+    return x.to(accumulator_dtype(q.dtype)).contiguous()
+
+
+def logsumexp(stats: torch.Tensor) -> torch.Tensor:
+    r"""Natural-log :math:`\mathrm{lse}_i = \log \sum_j e^{S_{ij}} = (m_i + \log_2 \ell_i) / \log_2 e` from
+    the forward's ``(B, H, 2, N)`` statistics; ``+inf`` for rows that see no key."""
+    return (stats[:, :, 0] + stats[:, :, 1]) / LOG2E.value
+
+
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 for float64 inputs, else float32: the dtype of P, lse, delta, A, C and accumulators."""
+    """float64 for float64 inputs, else float32: the dtype of P, the row statistics and accumulators."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 

@@ -18,7 +18,7 @@ from .common import (
     key_mask_pointer,
     load_tile,
     operand,
-    row_vector_pointer,
+    softmax_stats_pointer,
     store_tile,
     strides,
     visible_keys,
@@ -61,16 +61,17 @@ def _forward_inner(
 
 @triton.jit
 def _forward_kernel(
-    Q, K, V, O, LSE,
+    Q, K, V, O, STATS,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
     heads, group, N, M, qk_scale, KEY_MASK,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
-    r""":math:`O = \mathrm{softmax}(\tau Q K^\top) V` and :math:`\mathrm{lse}_i = \log \sum_j e^{\tau q_i \cdot k_j}`
-    for one query block; causal: key blocks right of the diagonal are skipped, diagonal ones masked.
-    Rows that see no key (key-padding mask) store :math:`O_i = 0` and :math:`\mathrm{lse}_i = +\infty`."""
+    r""":math:`O = \mathrm{softmax}(\tau Q K^\top) V` and the softmax statistics :math:`(m_i, \log_2 \ell_i)`
+    (:func:`~flashbob.kernels.common.load_softmax_stats`) for one query block; causal: key blocks right
+    of the diagonal are skipped, diagonal ones masked. Rows that see no key (key-padding mask) store
+    :math:`O_i = 0` and :math:`(+\infty, 0)`."""
     start_m = tl.program_id(0) * BLOCK_M
     batch_head = tl.program_id(1)
     batch, head = batch_head // heads, batch_head % heads
@@ -81,7 +82,7 @@ def _forward_kernel(
 
     rows = start_m + tl.arange(0, BLOCK_M)
     q = load_tile(head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM, BLOCK_D)
-    acc_dtype = LSE.dtype.element_ty
+    acc_dtype = STATS.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=acc_dtype)
     row_sum = tl.zeros([BLOCK_M], dtype=acc_dtype)
@@ -105,25 +106,25 @@ def _forward_kernel(
     o_base = head_pointer(O, batch, head, stride_ob, stride_oh)
     if HAS_KEY_MASK:
         seen = row_sum > 0
-        safe_sum = tl.where(seen, row_sum, 1.0)
-        o = tl.where(seen[:, None], acc / safe_sum[:, None], 0.0)
-        lse = tl.where(seen, (row_max + tl.log2(safe_sum)) / LOG2E, float("inf"))
-    else:
-        o = acc / row_sum[:, None]
-        lse = (row_max + tl.log2(row_sum)) / LOG2E
+        row_sum = tl.where(seen, row_sum, 1.0)
+        row_max = tl.where(seen, row_max, float("inf"))
+    o = acc / row_sum[:, None]
     store_tile(o_base, o, rows, N, stride_on, HEAD_DIM, BLOCK_D)
-    tl.store(row_vector_pointer(LSE, batch_head, N) + rows, lse, mask=rows < N)
+    stats_base = softmax_stats_pointer(STATS, batch_head, N)
+    tl.store(stats_base + rows, row_max, mask=rows < N)
+    tl.store(stats_base + N + rows, tl.log2(row_sum), mask=rows < N)
 
 
 def forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float, allow_tf32: bool = False,
     key_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Attention output and row log-sum-exp.
+    r"""Attention output and the softmax statistics of its rows.
 
     .. math::
         S = \tau Q K^\top\ (\text{causal: } S_{ij} = -\infty \text{ for } j > i),\quad
-        O = \mathrm{softmax}_\text{row}(S)\, V,\quad \mathrm{lse}_i = \log \textstyle\sum_j e^{S_{ij}}
+        O = \mathrm{softmax}_\text{row}(S)\, V,\quad
+        m_i = \max_j S_{ij} \log_2 e,\quad \log_2 \ell_i = \log_2 \textstyle\sum_j 2^{S_{ij} \log_2 e - m_i}
 
     Args:
         q: ``(B, H, N, d)`` queries.
@@ -133,10 +134,12 @@ def forward(
         scale: :math:`\tau`.
         allow_tf32: float32 inputs only: let ``tl.dot`` round its operands to tf32.
         key_mask: optional bool ``(B, M)`` key-padding mask, True = keep. Rows that see no key get
-            ``o = 0`` and ``lse = +inf``.
+            ``o = 0`` and statistics ``(+inf, 0)``.
 
     Returns:
-        ``o`` shaped and typed like ``q``; ``lse`` ``(B, H, N)`` in float32 (float64 for float64 inputs).
+        ``o`` shaped and typed like ``q``; ``stats`` ``(B, H, 2, N)`` holding :math:`m` and :math:`\log_2 \ell`
+        in float32 (float64 for float64 inputs), the input of :func:`backward` and :func:`bob`;
+        :func:`~flashbob.kernels.common.logsumexp` turns it into the row log-sum-exp.
     """
     check_qkv(q, k, v)
     key_mask, has_key_mask = key_mask_operand(key_mask, q, k)
@@ -144,12 +147,12 @@ def forward(
     batch, heads, n, head_dim = q.shape
     kv_heads, m = k.shape[1], k.shape[2]
     o = torch.empty_like(q)
-    lse = torch.empty((batch, heads, n), dtype=accumulator_dtype(q.dtype), device=q.device)
+    stats = torch.empty((batch, heads, 2, n), dtype=accumulator_dtype(q.dtype), device=q.device)
     configs.launch(
         "forward", _forward_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads),
-        q, k, v, o, lse, *strides(q), *strides(k), *strides(v), *strides(o),
+        q, k, v, o, stats, *strides(q), *strides(k), *strides(v), *strides(o),
         heads, heads // kv_heads, n, m, scale * LOG2E.value, key_mask, head_dim=head_dim, dtype=q.dtype, length=n,
         HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), CAUSAL=causal, PRECISION=dot_precision(q.dtype, allow_tf32),
         HAS_KEY_MASK=has_key_mask,
     )
-    return o, lse
+    return o, stats
