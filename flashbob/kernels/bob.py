@@ -1,4 +1,4 @@
-"""Backward-over-backward of attention in two sweeps: rows (Q̄, dŌ, A, C), then columns (K̄, V̄)."""
+"""Backward-over-backward of attention: row sweeps (Q̄, dŌ, A, C), then a column sweep (K̄, V̄)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,11 @@ from .common import (
     strides,
 )
 
+# Row sweeps of the two schedules (the PHASE of _bob_rows_kernel):
+TWO_PASS_ROWS = tl.constexpr(0)  # two-pass: A, C and the row outputs in one sweep (four d-vector accumulators)
+SCALARS = tl.constexpr(1)  # three-pass, sweep 1: only the row scalars A, C
+DIRECT_ROWS = tl.constexpr(2)  # three-pass, sweep 2: the row outputs from G_S with A, C known (two accumulators)
+
 
 @triton.jit
 def _bob_rows_inner(
@@ -36,18 +41,20 @@ def _bob_rows_inner(
     rows, start, end, M, qk_scale, scale, key_mask_base,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr,
     HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, PHASE: tl.constexpr,
 ):
     r"""Add key blocks ``[start, end)`` to a query block's row scalars and d-vectors.
 
     Per tile, with :math:`\bar A = \tau(\bar U K^\top + Q \bar W^\top)`, :math:`\bar B = dO \bar Z^\top`,
     :math:`dP = dO V^\top` and :math:`X = (dP - \Delta) \circ \bar A + \bar B`:
 
-    .. math::
-        a_i \mathrel{+}= \textstyle\sum_j P_{ij} \bar A_{ij},\quad
-        c_i \mathrel{+}= \sum_j P_{ij} X_{ij},\quad
-        r_1 \mathrel{+}= (P \circ X) K + dS\, \bar W,\quad r_2 \mathrel{+}= (P \circ dP) K,\quad
-        r_3 \mathrel{+}= P K,\quad r_4 \mathrel{+}= (P \circ \bar A) V + P \bar Z
+    * ``TWO_PASS_ROWS``: :math:`a_i \mathrel{+}= \sum_j P_{ij} \bar A_{ij}`,
+      :math:`c_i \mathrel{+}= \sum_j P_{ij} X_{ij}`, :math:`r_1 \mathrel{+}= (P \circ X) K + dS\, \bar W`,
+      :math:`r_2 \mathrel{+}= (P \circ dP) K`, :math:`r_3 \mathrel{+}= P K`,
+      :math:`r_4 \mathrel{+}= (P \circ \bar A) V + P \bar Z`;
+    * ``SCALARS``: only ``a`` and ``c``;
+    * ``DIRECT_ROWS`` (``a``, ``c`` hold the finished :math:`A, C`):
+      :math:`r_1 \mathrel{+}= G_S K + dS\, \bar W` with :math:`G_S = P \circ (X - A\, dP - C)`, and ``r4`` as above.
 
     Terms of absent cotangents are compiled out; without :math:`\bar U` and :math:`\bar W`,
     :math:`\bar A = 0` and ``a``, ``r2`` stay zero.
@@ -60,7 +67,8 @@ def _bob_rows_inner(
             w_bar = load_tile(w_bar_base, keys, M, stride_wn, HEAD_DIM, BLOCK_D)
         if HAS_DV_BAR:
             z_bar = load_tile(z_bar_base, keys, M, stride_zn, HEAD_DIM, BLOCK_D)
-        p = probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, MASK_CAUSAL, PRECISION, key_mask_base, HAS_KEY_MASK)
+        p = probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, MASK_CAUSAL, PRECISION, key_mask_base,
+                          HAS_KEY_MASK)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         dp_centered = dp - delta[:, None]
         x = tl.zeros_like(p)
@@ -72,19 +80,28 @@ def _bob_rows_inner(
                 a_bar += tl.dot(q, tl.trans(w_bar), input_precision=PRECISION)
             a_bar = a_bar * scale
             p_a_bar = p * a_bar
-            a += tl.sum(p_a_bar, 1)
             x += dp_centered * a_bar
-            r2 += tl.dot((p * dp).to(k.dtype), k, input_precision=PRECISION)
-            r4 += tl.dot(p_a_bar.to(v.dtype), v, input_precision=PRECISION)
+            if PHASE != DIRECT_ROWS:
+                a += tl.sum(p_a_bar, 1)
+            if PHASE == TWO_PASS_ROWS:
+                r2 += tl.dot((p * dp).to(k.dtype), k, input_precision=PRECISION)
+            if PHASE != SCALARS:
+                r4 += tl.dot(p_a_bar.to(v.dtype), v, input_precision=PRECISION)
         if HAS_DV_BAR:
             x += tl.dot(do, tl.trans(z_bar), input_precision=PRECISION)
-            r4 += tl.dot(p.to(z_bar.dtype), z_bar, input_precision=PRECISION)
-        p_x = p * x
-        c += tl.sum(p_x, 1)
-        r1 += tl.dot(p_x.to(k.dtype), k, input_precision=PRECISION)
-        if HAS_DK_BAR:
+            if PHASE != SCALARS:
+                r4 += tl.dot(p.to(z_bar.dtype), z_bar, input_precision=PRECISION)
+        if PHASE == DIRECT_ROWS:
+            g_s = p * (x - a[:, None] * dp - c[:, None])
+            r1 += tl.dot(g_s.to(k.dtype), k, input_precision=PRECISION)
+        else:
+            p_x = p * x
+            c += tl.sum(p_x, 1)
+            if PHASE == TWO_PASS_ROWS:
+                r1 += tl.dot(p_x.to(k.dtype), k, input_precision=PRECISION)
+                r3 += tl.dot(p.to(k.dtype), k, input_precision=PRECISION)
+        if HAS_DK_BAR and PHASE != SCALARS:
             r1 += tl.dot((p * dp_centered).to(w_bar.dtype), w_bar, input_precision=PRECISION)
-        r3 += tl.dot(p.to(k.dtype), k, input_precision=PRECISION)
     return a, c, r1, r2, r3, r4
 
 
@@ -98,15 +115,17 @@ def _bob_rows_kernel(
     heads, group, N, M, qk_scale, scale, KEY_MASK,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, PHASE: tl.constexpr,
 ):
-    r"""BoB pass 1 for one query block: sweep its key blocks, then finish the row outputs
+    r"""A row sweep of BoB for one query block (``PHASE``, see :func:`_bob_rows_inner`), then its outputs:
 
     .. math::
         A_i = a_i,\quad C_i = c_i - A_i \Delta_i,\quad
         \bar Q_i = \tau\,(r_{1,i} - A_i r_{2,i} - C_i r_{3,i}),\quad d\bar O_i = r_{4,i} - A_i O_i
 
-    and store :math:`A, C` for the column sweep. Absent cotangents' pointers are never read.
+    ``TWO_PASS_ROWS`` stores all four (:math:`A, C` for the column sweep); ``SCALARS`` stores
+    :math:`A, C`; ``DIRECT_ROWS`` reads them and stores :math:`\bar Q_i = \tau\, r_{1,i}` and
+    :math:`d\bar O_i`. Absent cotangents' pointers are never read.
     """
     start_m = tl.program_id(0) * BLOCK_M
     batch_head = tl.program_id(1)
@@ -128,8 +147,12 @@ def _bob_rows_kernel(
     row_max, log_sum = load_softmax_stats(softmax_stats_pointer(STATS, batch_head, N), rows, N)
     delta = tl.load(row_vector_pointer(DELTA, batch_head, N) + rows, mask=rows < N, other=0.0)
     acc_dtype = DELTA.dtype.element_ty
-    a = tl.zeros([BLOCK_M], dtype=acc_dtype)
-    c = tl.zeros([BLOCK_M], dtype=acc_dtype)
+    if PHASE == DIRECT_ROWS:
+        a = tl.load(row_vector_pointer(A, batch_head, N) + rows, mask=rows < N, other=0.0)
+        c = tl.load(row_vector_pointer(C, batch_head, N) + rows, mask=rows < N, other=0.0)
+    else:
+        a = tl.zeros([BLOCK_M], dtype=acc_dtype)
+        c = tl.zeros([BLOCK_M], dtype=acc_dtype)
     r1 = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
     r2 = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
     r3 = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
@@ -145,24 +168,31 @@ def _bob_rows_kernel(
         a, c, r1, r2, r3, r4, q, do, u_bar, row_max, log_sum, delta, k_base, v_base, w_bar_base, z_bar_base,
         stride_kn, stride_vn, stride_wn, stride_zn, rows, 0, unmasked_end, M, qk_scale, scale,
         key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, HAS_KEY_MASK,
+        PHASE,
     )
     if CAUSAL:
         a, c, r1, r2, r3, r4 = _bob_rows_inner(
             a, c, r1, r2, r3, r4, q, do, u_bar, row_max, log_sum, delta, k_base, v_base, w_bar_base, z_bar_base,
             stride_kn, stride_vn, stride_wn, stride_zn, rows, unmasked_end, end, M, qk_scale, scale,
             key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION,
-            HAS_KEY_MASK,
+            HAS_KEY_MASK, PHASE,
         )
 
-    c = c - a * delta
-    q_bar = scale * (r1 - a[:, None] * r2 - c[:, None] * r3)
-    o = load_tile(head_pointer(O, batch, head, stride_ob, stride_oh), rows, N, stride_on, HEAD_DIM, BLOCK_D)
-    do_bar = r4 - a[:, None] * o.to(acc_dtype)
-    store_tile(head_pointer(Q_BAR, batch, head, stride_qbb, stride_qbh), q_bar, rows, N, stride_qbn, HEAD_DIM, BLOCK_D)
-    do_bar_base = head_pointer(DO_BAR, batch, head, stride_dobb, stride_dobh)
-    store_tile(do_bar_base, do_bar, rows, N, stride_dobn, HEAD_DIM, BLOCK_D)
-    tl.store(row_vector_pointer(A, batch_head, N) + rows, a, mask=rows < N)
-    tl.store(row_vector_pointer(C, batch_head, N) + rows, c, mask=rows < N)
+    if PHASE != DIRECT_ROWS:
+        c = c - a * delta
+        tl.store(row_vector_pointer(A, batch_head, N) + rows, a, mask=rows < N)
+        tl.store(row_vector_pointer(C, batch_head, N) + rows, c, mask=rows < N)
+    if PHASE != SCALARS:
+        if PHASE == TWO_PASS_ROWS:
+            q_bar = scale * (r1 - a[:, None] * r2 - c[:, None] * r3)
+        else:
+            q_bar = scale * r1
+        o = load_tile(head_pointer(O, batch, head, stride_ob, stride_oh), rows, N, stride_on, HEAD_DIM, BLOCK_D)
+        do_bar = r4 - a[:, None] * o.to(acc_dtype)
+        q_bar_base = head_pointer(Q_BAR, batch, head, stride_qbb, stride_qbh)
+        store_tile(q_bar_base, q_bar, rows, N, stride_qbn, HEAD_DIM, BLOCK_D)
+        do_bar_base = head_pointer(DO_BAR, batch, head, stride_dobb, stride_dobh)
+        store_tile(do_bar_base, do_bar, rows, N, stride_dobn, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -303,9 +333,11 @@ def bob(
         \bar Q = \tau (G_S K + dS\, \bar W),\quad \bar K = \tau (G_S^\top Q + dS^\top \bar U),\quad
         \bar V = G_{dP}^\top dO,\quad d\bar O = (P \circ \bar A) V - A \circ O + P \bar Z
 
-    computed in two sweeps without any N x M tensor: rows (pass 1: :math:`\bar Q, d\bar O, A, C`),
-    then columns (pass 2: :math:`\bar K, \bar V`). O, the softmax statistics and Δ are treated as constants: the
-    formulas already contain every path through them.
+    computed without any N x M tensor in the schedule :func:`~flashbob.kernels.configs.bob_schedule` names:
+    ``two_pass``: rows (:math:`\bar Q, d\bar O, A, C` in one sweep), then columns (:math:`\bar K, \bar V`);
+    ``three_pass``: the row scalars :math:`A, C`, then the row outputs from :math:`G_S` directly (half the
+    accumulators, so larger query tiles, for 3 more matrix products per tile), then columns. O, the
+    softmax statistics and Δ are treated as constants: the formulas already contain every path through them.
 
     Args:
         q, k, v, causal, scale, allow_tf32, key_mask: as in :func:`flashbob.kernels.forward`.
@@ -342,13 +374,18 @@ def bob(
     )
     qk_scale = scale * LOG2E.value
 
-    configs.launch(
-        "bob_rows", _bob_rows_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads),
+    row_sweep = (
         q, k, v, o, do, stats, delta, u_bar, w_bar, z_bar, q_bar, do_bar, a, c,
         *strides(q), *strides(k), *strides(v), *strides(o), *strides(do), *strides(u_bar), *strides(w_bar),
         *strides(z_bar), *strides(q_bar), *strides(do_bar), heads, heads // kv_heads, n, m, qk_scale, scale, key_mask,
-        head_dim=head_dim, dtype=q.dtype, length=n, **constants,
     )
+    sweeps = [("bob_rows", TWO_PASS_ROWS)] if configs.bob_schedule() == "two_pass" else [
+        ("bob_scalars", SCALARS), ("bob_rows_direct", DIRECT_ROWS)]
+    for name, phase in sweeps:
+        configs.launch(
+            name, _bob_rows_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads), *row_sweep,
+            head_dim=head_dim, dtype=q.dtype, length=n, **constants, PHASE=phase.value,
+        )
     configs.launch(
         "bob_cols", _bob_columns_kernel, lambda meta: (triton.cdiv(m, meta["BLOCK_N"]), batch * kv_heads),
         q, k, v, do, stats, delta, a, c, u_bar, w_bar, z_bar, k_bar, v_bar,

@@ -49,6 +49,12 @@ SPACES = {
                    (64, 64, 4, 3), (32, 32, 8, 1), (16, 16, 4, 1)),
     "bob_rows": _space((32, 64, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2),
                        (64, 32, 4, 2), (128, 32, 8, 2), (16, 32, 8, 2), (16, 16, 4, 1)),
+    # three-pass schedule (bob_schedule): the scalar sweep keeps no d-vector accumulator, the direct
+    # row sweep two; untuned guesses, ordered like the row sweeps of the forward and dQ.
+    "bob_scalars": _space((64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2), (64, 128, 8, 2),
+                          (32, 64, 4, 2), (32, 32, 4, 1), (16, 16, 4, 1)),
+    "bob_rows_direct": _space((64, 64, 8, 2), (64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (32, 64, 8, 2),
+                              (32, 32, 4, 2), (16, 32, 8, 2), (16, 16, 4, 1)),
     "bob_cols": _space((64, 32, 4, 2), (64, 32, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2),
                        (64, 128, 8, 2), (32, 32, 8, 1), (16, 16, 4, 1)),
 }
@@ -62,12 +68,25 @@ _FOOTPRINT = {
     "dq": (1, 2, 3, 2),
     "dkdv": (2, 2, 3, 2),
     "bob_rows": (4, 3, 5, 4),
+    "bob_scalars": (0, 3, 5, 4),
+    "bob_rows_direct": (2, 3, 5, 4),
     "bob_cols": (2, 4, 5, 3),
 }
 MAX_REGISTERS_PER_THREAD = 256  # sm_90 has 255 per thread: over this estimate a config cannot fit
 MAX_SHARED_BYTES = 220 * 1024  # sm_90 allows 227 KiB per block
 
 _overrides: dict[str, int] = {}
+
+BOB_SCHEDULES = ("two_pass", "three_pass")
+DEFAULT_BOB_SCHEDULE = "two_pass"  # the faster on the H200 (docs/performance.md)
+
+
+def bob_schedule() -> str:
+    """The schedule of the BoB kernels: ``FLASHBOB_BOB_SCHEDULE`` if set, else :data:`DEFAULT_BOB_SCHEDULE`."""
+    schedule = os.environ.get("FLASHBOB_BOB_SCHEDULE", DEFAULT_BOB_SCHEDULE)
+    if schedule not in BOB_SCHEDULES:
+        raise ValueError(f"FLASHBOB_BOB_SCHEDULE must be one of {BOB_SCHEDULES}; got {schedule!r}")
+    return schedule
 
 
 def fits(kernel: str, config: BlockConfig, head_dim: int, dtype: torch.dtype) -> bool:
