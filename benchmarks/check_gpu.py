@@ -56,6 +56,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     parser.add_argument("--memory", action="store_true", help="peak-memory mode instead of accuracy")
+    parser.add_argument("--key-mask", action="store_true",
+                        help="batch 2 with a key-padding mask: element 0 drops ~30%% of the keys, element 1 keeps "
+                             "only key 0 (one-hot rows)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--interpret", action="store_true", help="run the kernels in Triton's interpreter (CPU)")
     parser.add_argument("--seed", type=int, default=0)
@@ -76,15 +79,23 @@ def random_inputs(shape, dtype, device, generator):
         return torch.randn(batch, h, n, head_dim, generator=generator, dtype=torch.float64, device=device).to(dtype)
 
     return {"q": randn(heads), "k": randn(kv_heads), "v": randn(kv_heads), "do": randn(heads),
-            "dq_bar": randn(heads), "dk_bar": randn(kv_heads), "dv_bar": randn(kv_heads)}
+            "dq_bar": randn(heads), "dk_bar": randn(kv_heads), "dv_bar": randn(kv_heads), "key_mask": None}
+
+
+def key_padding_mask(batch, n, device, generator):
+    """``(batch, n)`` bool mask, True = keep: element 0 keeps ~70% of the keys, every other one only key 0."""
+    keep = torch.rand(batch, n, generator=generator, device=device) > 0.3
+    keep[1:] = False
+    keep[:, 0] = True
+    return keep
 
 
 def flashbob_outputs(kernels, x, *, causal, scale):
     """The eight outputs through the Triton kernels, chained as the autograd wiring chains them."""
-    o, stats = kernels.forward(x["q"], x["k"], x["v"], causal=causal, scale=scale)
-    dq, dk, dv, delta = kernels.backward(x["q"], x["k"], x["v"], o, stats, x["do"], causal=causal, scale=scale)
-    bob = kernels.bob(x["q"], x["k"], x["v"], x["do"], o, stats, delta, x["dq_bar"], x["dk_bar"], x["dv_bar"],
-                      causal=causal, scale=scale)
+    mask = {"causal": causal, "scale": scale, "key_mask": x["key_mask"]}
+    o, stats = kernels.forward(x["q"], x["k"], x["v"], **mask)
+    dq, dk, dv, delta = kernels.backward(x["q"], x["k"], x["v"], o, stats, x["do"], **mask)
+    bob = kernels.bob(x["q"], x["k"], x["v"], x["do"], o, stats, delta, x["dq_bar"], x["dk_bar"], x["dv_bar"], **mask)
     return dict(zip(OUTPUTS, (o, dq, dk, dv, *bob)))
 
 
@@ -101,9 +112,10 @@ def naive_outputs(x, dtype, *, causal, scale):
         kv = slice(head // group, head // group + 1)
         q, do, u = (x[name][:, head:head + 1].to(dtype) for name in ("q", "do", "dq_bar"))
         k, v, w, z = (x[name][:, kv].to(dtype) for name in ("k", "v", "dk_bar", "dv_bar"))
-        o = reference.attention(q, k, v, causal=causal, scale=scale)
-        dq, dk, dv = reference.attention_backward(q, k, v, do, causal=causal, scale=scale)
-        q_bar, k_bar, v_bar, do_bar = reference.backward_over_backward(q, k, v, do, u, w, z, causal=causal, scale=scale)
+        mask = {"causal": causal, "scale": scale, "key_mask": x["key_mask"]}
+        o = reference.attention(q, k, v, **mask)
+        dq, dk, dv = reference.attention_backward(q, k, v, do, **mask)
+        q_bar, k_bar, v_bar, do_bar = reference.backward_over_backward(q, k, v, do, u, w, z, **mask)
         for name, value in zip(OUTPUTS, (o, dq, dk, dv, q_bar, k_bar, v_bar, do_bar)):
             target = out[name][:, kv] if name in ("dk", "dv", "k_bar", "v_bar") else out[name][:, head:head + 1]
             target += value.double()
@@ -115,7 +127,7 @@ def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.double() - ref).norm() / ref.norm()).item()
 
 
-def accuracy_case(kernels, shape, dtype_name, causal, device, generator):
+def accuracy_case(kernels, shape, dtype_name, causal, device, generator, key_mask=False):
     """CSV rows of one case: every output's error for flashbob and eager, and the verdict."""
     batch, heads, kv_heads, n, head_dim = shape
     dtype = DTYPES[dtype_name]
@@ -123,6 +135,8 @@ def accuracy_case(kernels, shape, dtype_name, causal, device, generator):
     base = dict(n=n, heads=heads, kv_heads=kv_heads, head_dim=head_dim, causal=causal, dtype=dtype_name)
     try:
         x = random_inputs(shape, dtype, device, generator)
+        if key_mask:
+            x["key_mask"] = key_padding_mask(batch, n, device, generator)
         ours = flashbob_outputs(kernels, x, causal=causal, scale=scale)
         exact = naive_outputs(x, torch.float64, causal=causal, scale=scale)
         errors = {name: relative_error(ours[name], exact[name]) for name in OUTPUTS}
@@ -162,8 +176,9 @@ def run_accuracy(args, kernels) -> None:
                 for causal in causals:
                     for dtype_name in args.dtypes:
                         start = time.perf_counter()
-                        rows = accuracy_case(kernels, (1, heads, kv_heads, n, head_dim), dtype_name, causal,
-                                             args.device, generator)
+                        batch = 2 if args.key_mask else 1
+                        rows = accuracy_case(kernels, (batch, heads, kv_heads, n, head_dim), dtype_name, causal,
+                                             args.device, generator, args.key_mask)
                         writer.writerows(rows)
                         file.flush()
                         all_rows += rows
