@@ -31,20 +31,24 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     for (head_dim, causal), group in sorted(groups.items()):
         workloads = sorted({r["workload"] for r in group}, key=["fwd", "fwd_bwd", "bob", "fwd_bwd_bob"].index)
         fig, axes = plt.subplots(1, len(workloads) + 1, figsize=(4 * (len(workloads) + 1), 3.6))
+        # one colour per implementation in every panel (sdpa_flash/sdpa_cudnn have no BoB points)
+        colors = {impl: f"C{i}" for i, impl in enumerate(sorted({r["impl"] for r in rows}))}
         for ax, workload in zip(axes, workloads):
             for impl in sorted({r["impl"] for r in group}):
                 pts = sorted((int(r["n"]), float(r["ms"])) for r in group if r["impl"] == impl and r["workload"] == workload)
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", label=impl)
+                    ax.plot(*zip(*pts), marker="o", label=impl, color=colors[impl])
             ax.set(xscale="log", yscale="log", title=workload, xlabel="N", ylabel="ms")
             ax.grid(True, which="both", alpha=0.3)
         for impl in sorted({r["impl"] for r in group}):
-            pts = sorted((int(r["n"]), float(r["peak_gib"])) for r in group if r["impl"] == impl and r["workload"] == "fwd_bwd_bob")
+            pts = sorted((int(r["n"]), float(r["peak_gib"])) for r in group if r["impl"] == impl and r["workload"] == "fwd_bwd_bob"
+                         and r["peak_gib"])  # no memory figure in --device cpu rows
             if pts:
-                axes[-1].plot(*zip(*pts), marker="o", label=impl)
+                axes[-1].plot(*zip(*pts), marker="o", label=impl, color=colors[impl])
         axes[-1].set(xscale="log", yscale="log", title="peak memory, fwd_bwd_bob", xlabel="N", ylabel="GiB")
         axes[-1].grid(True, which="both", alpha=0.3)
-        axes[0].legend()
+        handles = {h.get_label(): h for ax in axes for h in ax.get_lines()}  # every impl, even one without fwd
+        axes[0].legend([handles[i] for i in sorted(handles)], sorted(handles))
         fig.suptitle(f"bf16, d={head_dim}, {'causal' if causal else 'non-causal'}")
         fig.tight_layout()
         path = out_dir / f"bench_d{head_dim}_{'causal' if causal else 'full'}.png"

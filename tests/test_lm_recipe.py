@@ -11,10 +11,10 @@ import pytest
 import torch
 from wandb.proto import wandb_internal_pb2
 
+from recipes.common.config import resume_path
 from recipes.lm import checkpoint, data, optimizers
 from recipes.lm.__main__ import main
 from recipes.lm.model import GPT, cross_entropy
-from recipes.common.config import resume_path
 from recipes.lm.train import ConfigError, load_config, train
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "lm"

@@ -1,0 +1,42 @@
+"""benchmarks/compare_optimizers.py end to end on the CPU: two optimizers, a few steps of a micro model."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MICRO = [
+    "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "data.max_bytes=200000", "data.val_fraction=0.1",
+    "data.context_length=64", "data.batch_size=2", "train.eval_batches=1", "train.threads=1",
+]  # fmt: skip
+
+
+def test_compare_optimizers_writes_csv_plots_and_table(tmp_path: Path) -> None:
+    steps, tokens_per_step = 4, 2 * 64
+    command = [
+        sys.executable, "benchmarks/compare_optimizers.py", "--config", "configs/lm/tiny.yaml",
+        "--optimizers", "adamw", "sophiah", "--tokens", str(steps * tokens_per_step + 5),
+        "--out-dir", str(tmp_path / "runs"), "--docs", str(tmp_path / "docs"), *MICRO,
+    ]  # fmt: skip
+    done = subprocess.run(command, check=False, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    with open(tmp_path / "docs" / "optimizer_comparison.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    for optimizer in ("adamw", "sophiah"):
+        mine = [r for r in rows if r["optimizer"] == optimizer]
+        assert [int(r["step"]) for r in mine] == list(range(1, steps + 1))
+        assert int(mine[-1]["tokens"]) == steps * tokens_per_step  # the budget, rounded down to whole steps
+        assert float(mine[-1]["val_loss"]) > 0 and float(mine[-1]["train_s"]) > 0
+    assert rows[-1]["optimizer/unclipped_fraction"]  # SophiaH's statistics are columns
+    for plot in ("tokens", "time"):
+        assert (tmp_path / "docs" / f"optimizer_comparison_{plot}.png").stat().st_size > 0
+    table = done.stdout.strip().splitlines()
+    assert table[0].startswith("| optimizer | status |") and len(table) == 4
+    assert table[2].startswith("| adamw | ok | 4 |") and table[3].startswith("| sophiah | ok | 4 |")
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["adamw", "sophiah"]
