@@ -10,6 +10,7 @@ from . import configs
 from .common import (
     LOG2E,
     check_qkv,
+    column_block_masked_end,
     dot_precision,
     head_dim_block,
     head_pointer,
@@ -20,6 +21,7 @@ from .common import (
     operand,
     probabilities,
     probabilities_transposed,
+    row_block_key_ranges,
     row_vector_pointer,
     softmax_stats,
     softmax_stats_pointer,
@@ -96,10 +98,7 @@ def _dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
 
-    if CAUSAL:
-        masked_end = tl.minimum(start_n + (BLOCK_N + BLOCK_M - 1) // BLOCK_M * BLOCK_M, N)
-    else:
-        masked_end = 0
+    masked_end = column_block_masked_end(start_n, N, BLOCK_M, BLOCK_N, CAUSAL)
     for member in range(group):
         head = kv_head * group + member
         q_base = head_pointer(Q, batch, head, stride_qb, stride_qh)
@@ -165,12 +164,7 @@ def _dq_kernel(
     delta = tl.load(row_vector_pointer(DELTA, batch_head, N) + rows, mask=rows < N, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=DELTA.dtype.element_ty)
 
-    if CAUSAL:
-        end = tl.minimum(M, start_m + BLOCK_M)
-        unmasked_end = tl.minimum(start_m // BLOCK_N * BLOCK_N, end)
-    else:
-        end = M
-        unmasked_end = M
+    unmasked_end, end = row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
     dq = _dq_inner(
         dq, q, do, row_max, log_sum, delta, k_base, v_base, stride_kn, stride_vn, rows, 0, unmasked_end, M, qk_scale,
         key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION, HAS_KEY_MASK,

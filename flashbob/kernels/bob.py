@@ -10,6 +10,7 @@ from . import configs
 from .common import (
     LOG2E,
     check_qkv,
+    column_block_masked_end,
     dot_precision,
     head_dim_block,
     head_pointer,
@@ -20,6 +21,7 @@ from .common import (
     operand,
     probabilities,
     probabilities_transposed,
+    row_block_key_ranges,
     row_statistic,
     row_vector_pointer,
     softmax_stats,
@@ -158,12 +160,7 @@ def _bob_rows_kernel(
     r3 = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
     r4 = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
 
-    if CAUSAL:
-        end = tl.minimum(M, start_m + BLOCK_M)
-        unmasked_end = tl.minimum(start_m // BLOCK_N * BLOCK_N, end)
-    else:
-        end = M
-        unmasked_end = M
+    unmasked_end, end = row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
     a, c, r1, r2, r3, r4 = _bob_rows_inner(
         a, c, r1, r2, r3, r4, q, do, u_bar, row_max, log_sum, delta, k_base, v_base, w_bar_base, z_bar_base,
         stride_kn, stride_vn, stride_wn, stride_zn, rows, 0, unmasked_end, M, qk_scale, scale,
@@ -283,10 +280,7 @@ def _bob_columns_kernel(
     k_bar = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
     v_bar = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
 
-    if CAUSAL:
-        masked_end = tl.minimum(start_n + (BLOCK_N + BLOCK_M - 1) // BLOCK_M * BLOCK_M, N)
-    else:
-        masked_end = 0
+    masked_end = column_block_masked_end(start_n, N, BLOCK_M, BLOCK_N, CAUSAL)
     for member in range(group):
         head = kv_head * group + member
         batch_head = batch * heads + head

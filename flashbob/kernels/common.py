@@ -74,6 +74,32 @@ def load_softmax_stats(stats_base, rows, n_rows):
 
 
 @triton.jit
+def row_block_key_ranges(start_m, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Key ranges of a row kernel's query block ``[start_m, start_m + BLOCK_M)``: keys
+    ``[0, unmasked_end)`` need no causal mask (whole key blocks left of the diagonal), keys
+    ``[unmasked_end, end)`` do (the diagonal blocks; the block's last query sees no key beyond it)."""
+    if CAUSAL:
+        end = tl.minimum(M, start_m + BLOCK_M)
+        unmasked_end = tl.minimum(start_m // BLOCK_N * BLOCK_N, end)
+    else:
+        end = M
+        unmasked_end = M
+    return unmasked_end, end
+
+
+@triton.jit
+def column_block_masked_end(start_n, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """End of the query rows that a column kernel's key block ``[start_n, start_n + BLOCK_N)`` sees
+    through the causal mask: queries before ``start_n`` see none of it and are skipped, queries in
+    ``[start_n, masked_end)`` (whole query blocks) are masked, later ones see it all. 0 if not causal."""
+    if CAUSAL:
+        masked_end = tl.minimum(start_n + (BLOCK_N + BLOCK_M - 1) // BLOCK_M * BLOCK_M, N)
+    else:
+        masked_end = 0
+    return masked_end
+
+
+@triton.jit
 def kept_keys(key_mask_base, keys, M):
     """``(len(keys),)`` booleans of the key-padding mask row at ``key_mask_base`` (uint8, 1 = keep);
     False past ``M``."""

@@ -18,6 +18,7 @@ from .common import (
     key_mask_pointer,
     load_tile,
     operand,
+    row_block_key_ranges,
     softmax_stats_pointer,
     store_tile,
     strides,
@@ -87,12 +88,7 @@ def _forward_kernel(
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=acc_dtype)
     row_sum = tl.zeros([BLOCK_M], dtype=acc_dtype)
 
-    if CAUSAL:
-        end = tl.minimum(M, start_m + BLOCK_M)  # the block's last query sees no key beyond it
-        unmasked_end = tl.minimum(start_m // BLOCK_N * BLOCK_N, end)  # whole key blocks left of the diagonal
-    else:
-        end = M
-        unmasked_end = M
+    unmasked_end, end = row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
     acc, row_max, row_sum = _forward_inner(
         acc, row_max, row_sum, q, k_base, v_base, stride_kn, stride_vn, rows, 0, unmasked_end, M, qk_scale,
         key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION, HAS_KEY_MASK,
