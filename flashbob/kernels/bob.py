@@ -55,8 +55,11 @@ def _bob_rows_inner(
       :math:`r_2 \mathrel{+}= (P \circ dP) K`, :math:`r_3 \mathrel{+}= P K`,
       :math:`r_4 \mathrel{+}= (P \circ \bar A) V + P \bar Z`;
     * ``SCALARS``: only ``a`` and ``c``;
-    * ``DIRECT_ROWS`` (``a``, ``c`` hold the finished :math:`A, C`):
-      :math:`r_1 \mathrel{+}= G_S K + dS\, \bar W` with :math:`G_S = P \circ (X - A\, dP - C)`, and ``r4`` as above.
+    * ``DIRECT_ROWS`` (``a``, ``c`` hold the finished :math:`A, C`): :math:`r_1 \mathrel{+}= G_S K + dS\, \bar W`
+      and :math:`r_4 \mathrel{+}= G_{dP} V + P \bar Z` with :math:`G_S = P \circ (X - A\, dP - C)` and
+      :math:`G_{dP} = P \circ (\bar A - A)`. They equal the two-pass row outputs (:math:`\sum_j P_{ij} V_j = O_i`)
+      without their cancellation: with one-hot rows :math:`r_1 - A r_2 - C r_3` and :math:`r_4 - A O` cancel
+      to ~0 after each term was rounded to the input dtype, which costs bf16 a few times eager's error.
 
     Terms of absent cotangents are compiled out; without :math:`\bar U` and :math:`\bar W`,
     :math:`\bar A = 0` and ``a``, ``r2`` stay zero.
@@ -87,8 +90,9 @@ def _bob_rows_inner(
                 a += tl.sum(p_a_bar, 1)
             if PHASE == TWO_PASS_ROWS:
                 r2 += tl.dot((p * dp).to(k.dtype), k, input_precision=PRECISION)
-            if PHASE != SCALARS:
                 r4 += tl.dot(p_a_bar.to(v.dtype), v, input_precision=PRECISION)
+            if PHASE == DIRECT_ROWS:  # G_dP = P o (A-bar - A), formed before the rounding to the input dtype
+                r4 += tl.dot((p * (a_bar - a[:, None])).to(v.dtype), v, input_precision=PRECISION)
         if HAS_DV_BAR:
             x += tl.dot(do, tl.trans(z_bar), input_precision=PRECISION)
             if PHASE != SCALARS:
@@ -127,7 +131,7 @@ def _bob_rows_kernel(
 
     ``TWO_PASS_ROWS`` stores all four (:math:`A, C` for the column sweep); ``SCALARS`` stores
     :math:`A, C`; ``DIRECT_ROWS`` reads them and stores :math:`\bar Q_i = \tau\, r_{1,i}` and
-    :math:`d\bar O_i`. Absent cotangents' pointers are never read.
+    :math:`d\bar O_i = r_{4,i}`. Absent cotangents' pointers are never read.
     """
     start_m = tl.program_id(0) * BLOCK_M
     batch_head = tl.program_id(1)
@@ -182,10 +186,11 @@ def _bob_rows_kernel(
     if PHASE != SCALARS:
         if PHASE == TWO_PASS_ROWS:
             q_bar = scale * (r1 - a[:, None] * r2 - c[:, None] * r3)
+            o = load_tile(head_pointer(O, batch, head, stride_ob, stride_oh), rows, N, stride_on, HEAD_DIM, BLOCK_D)
+            do_bar = r4 - a[:, None] * o.to(acc_dtype)
         else:
             q_bar = scale * r1
-        o = load_tile(head_pointer(O, batch, head, stride_ob, stride_oh), rows, N, stride_on, HEAD_DIM, BLOCK_D)
-        do_bar = r4 - a[:, None] * o.to(acc_dtype)
+            do_bar = r4
         q_bar_base = head_pointer(Q_BAR, batch, head, stride_qbb, stride_qbh)
         store_tile(q_bar_base, q_bar, rows, N, stride_qbn, HEAD_DIM, BLOCK_D)
         do_bar_base = head_pointer(DO_BAR, batch, head, stride_dobb, stride_dobh)

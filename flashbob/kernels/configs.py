@@ -51,10 +51,10 @@ SPACES = {
                        (64, 32, 4, 2), (128, 32, 8, 2), (16, 32, 8, 2), (16, 16, 4, 1)),
     # three-pass schedule (bob_schedule): the scalar sweep keeps no d-vector accumulator, the direct
     # row sweep two; untuned guesses, ordered like the row sweeps of the forward and dQ.
-    "bob_scalars": _space((64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2), (64, 128, 8, 2),
+    "bob_scalars": _space((128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2), (64, 128, 8, 2),
                           (32, 64, 4, 2), (32, 32, 4, 1), (16, 16, 4, 1)),
-    "bob_rows_direct": _space((64, 64, 8, 2), (64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (32, 64, 8, 2),
-                              (32, 32, 4, 2), (16, 32, 8, 2), (16, 16, 4, 1)),
+    "bob_rows_direct": _space((32, 32, 4, 2), (64, 64, 8, 2), (64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2),
+                              (32, 64, 8, 2), (16, 32, 8, 2), (16, 16, 4, 1)),
     "bob_cols": _space((64, 32, 4, 2), (64, 32, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2),
                        (64, 128, 8, 2), (32, 32, 8, 1), (16, 16, 4, 1)),
 }
@@ -78,7 +78,7 @@ MAX_SHARED_BYTES = 220 * 1024  # sm_90 allows 227 KiB per block
 _overrides: dict[str, int] = {}
 
 BOB_SCHEDULES = ("two_pass", "three_pass")
-DEFAULT_BOB_SCHEDULE = "two_pass"  # the faster on the H200 (docs/performance.md)
+DEFAULT_BOB_SCHEDULE = "three_pass"  # 11-21% faster BoB than two-pass on the H200, and exact one-hot rows (docs/performance.md)
 
 
 def bob_schedule() -> str:
@@ -105,15 +105,16 @@ def candidates(kernel: str, head_dim: int, dtype: torch.dtype, length: int) -> t
     """The space of ``kernel`` for this head_dim, dtype and sequence length, pruned to what fits.
 
     Blocks larger than the (power-of-two rounded) length are dropped. 32- and 64-bit inputs take
-    half blocks: exact ``tl.dot`` runs on the CUDA cores and needs far more registers. The
+    half blocks (at least 16, the smallest ``tl.dot``): exact ``tl.dot`` runs on the CUDA cores and needs
+    far more registers. The
     smallest config is kept as a last resort so that the result is never empty.
     """
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
     space = SPACES[kernel]
     if dtype.itemsize >= 4:
-        space = tuple(BlockConfig(max(16, c.block_m // 2), max(1, c.block_n // 2), c.num_warps, c.num_stages)
-                      for c in space)
+        space = tuple(BlockConfig(max(16, c.block_m // 2), c.block_n if c.block_n == 1 else max(16, c.block_n // 2),
+                                  c.num_warps, c.num_stages) for c in space)
     limit = max(16, triton.next_power_of_2(length))
     kept = tuple(dict.fromkeys(
         c for c in space if fits(kernel, c, head_dim, dtype) and min(c.block_m, c.block_n) <= limit
