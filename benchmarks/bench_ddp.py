@@ -28,12 +28,13 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.environment import child_environment
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "OMP_NUM_THREADS": "4"}
@@ -52,7 +53,7 @@ def run(optimizer: str, gpus: int, args: argparse.Namespace, out_dir: Path) -> d
         f"train.eval_interval={args.steps}", "train.eval_batches=1", "train.checkpoint_interval=0",
         "train.keep_checkpoints=1", "train.progress=false", "logger.kind=none", *args.overrides,
     ]
-    env = {**os.environ, **ENV, "PYTHONPATH": str(ROOT)}
+    env = child_environment(**ENV)
     start = time.perf_counter()
     print(" ".join(command), file=sys.stderr, flush=True)
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from benchmarks.environment import child_environment
 from recipes.lm.train import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,7 +82,7 @@ def run(optimizer: str, steps: int, tokens_per_step: int, args: argparse.Namespa
         "train.keep_checkpoints=1", "train.progress=false", "logger.kind=none",
         *SETTINGS.get(optimizer, []), *args.overrides,
     ]  # fmt: skip
-    env = {**os.environ, "FLASHBOB_AUTOTUNE": "0", "PYTHONPATH": str(ROOT)}
+    env = child_environment(FLASHBOB_AUTOTUNE="0")
     print(" ".join(command), file=sys.stderr, flush=True)
     start = time.perf_counter()
     try:

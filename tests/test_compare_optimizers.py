@@ -40,3 +40,13 @@ def test_compare_optimizers_writes_csv_plots_and_table(tmp_path: Path) -> None:
     assert table[0].startswith("| optimizer | status |") and len(table) == 4
     assert table[2].startswith("| adamw | ok | 4 |") and table[3].startswith("| sophiah | ok | 4 |")
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["adamw", "sophiah"]
+
+
+def test_child_runs_keep_the_callers_python_path(monkeypatch):
+    """Benchmarks' child runs see the checkout first and the caller's PYTHONPATH after it (packages
+    installed with ``pip --target`` on the GPU machine; dropping them broke the first H200 run)."""
+    from benchmarks.environment import ROOT, child_environment
+
+    monkeypatch.setenv("PYTHONPATH", "/tmp/site")
+    env = child_environment(FLASHBOB_AUTOTUNE="0")
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(ROOT), "/tmp/site"] and env["FLASHBOB_AUTOTUNE"] == "0"

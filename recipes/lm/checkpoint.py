@@ -55,14 +55,15 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    """Restore what :func:`rng_state` returned."""
+    """Restore what :func:`rng_state` returned, on any machine: CUDA states are skipped without CUDA
+    (a checkpoint written on a GPU resumes on a CPU) and cut to the GPUs there are."""
     random.setstate(state["python"])
     numpy_state = dict(state["numpy"])
     numpy_state["state"] = {**numpy_state["state"], "key": np.asarray(numpy_state["state"]["key"], dtype=np.uint32)}
     np.random.set_state(numpy_state)
     torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if state["cuda"] and torch.cuda.is_available():  # written on a machine with more GPUs: the first ones
+        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -184,9 +184,11 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
 
 
 def rng_states(opt: torch.optim.Optimizer) -> dict:
-    """This process's generator states: the global ones and the optimizer's own (probes), if it has one."""
+    """This process's generator states: the global ones and the optimizer's own (probes), if it has
+    one, with the type of device that generator is on (CPU and CUDA generators differ in kind)."""
     generator = getattr(opt, "generator", None)
-    return {**checkpoint.rng_state(), "optimizer": generator.get_state() if generator is not None else None}
+    return {**checkpoint.rng_state(), "optimizer": generator.get_state() if generator is not None else None,
+            "optimizer_device": generator.device.type if generator is not None else None}
 
 
 def restore_rng(state: dict, opt: torch.optim.Optimizer, ctx: distributed.Context) -> None:
@@ -200,8 +202,19 @@ def restore_rng(state: dict, opt: torch.optim.Optimizer, ctx: distributed.Contex
     mine = per_rank[ctx.rank]
     checkpoint.set_rng_state(mine)
     generator = getattr(opt, "generator", None)
-    if generator is not None and mine.get("optimizer") is not None:
-        generator.set_state(mine["optimizer"].cpu())
+    if generator is None or mine.get("optimizer") is None:
+        return
+    saved_on = mine.get("optimizer_device")  # None in checkpoints written before it was recorded
+    problem = f"it was a {saved_on} generator's" if saved_on not in (None, generator.device.type) else None
+    if problem is None:
+        try:
+            generator.set_state(mine["optimizer"].cpu())
+        except RuntimeError as error:  # a CUDA generator's state does not fit a CPU generator, nor the reverse
+            problem = str(error)
+    if problem is not None:
+        warnings.warn(f"the optimizer's generator state in the checkpoint does not fit this run's "
+                      f"{generator.device.type} generator ({problem}): its random probes start afresh, so the "
+                      "run continues at the same step but not bit for bit", RuntimeWarning, stacklevel=2)
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
