@@ -173,7 +173,9 @@ def extreme_problem(gen, kind: str, dtype: torch.dtype):
     return [x.to(dtype) for x in (q, k, v, do)], [b.to(dtype) for b in bars]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ["blocked", pytest.param("triton", marks=pytest.mark.skipif(
+    not INTERPRETED, reason="float64 Triton kernels run in the interpreter only (Triton 3.6 cannot compile them "
+    "for the H200)"))])
 @pytest.mark.parametrize("kind", ["shift+", "shift-", "peaked", "flat"])
 def test_extreme_logits_float64(gen, backend, kind):
     """Forward, backward and BoB stay finite and match the float64 oracle at ±1e4 scores."""
