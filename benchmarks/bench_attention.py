@@ -55,10 +55,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashbob
-from benchmarks.timing import median_ms
+from benchmarks.timing import FLOPS_PER_NMD, attention_tflops, median_ms
 from flashbob import reference
-
-FLOPS_PER_NMD = {"fwd": 4, "fwd_bwd": 14, "fwd_bwd_bob": 52, "bob": 38}
 
 
 def sdpa_math(q, k, v, causal=False):
@@ -159,8 +157,8 @@ def measure(impl, workload, n, batch, heads, head_dim, causal, dtype, warmup, re
             row.peak_gib = torch.cuda.max_memory_allocated() / 2**30
         else:
             row.ms = wall_median_ms(fn, reps)
-        flops = FLOPS_PER_NMD[workload] * n * n * head_dim * batch * heads * (0.5 if causal else 1.0)
-        row.tflops = flops / (row.ms * 1e-3) / 1e12
+        row.tflops = attention_tflops(workload, row.ms, batch=batch, heads=heads, n=n, m=n, head_dim=head_dim,
+                                      causal=causal)
     except torch.cuda.OutOfMemoryError:
         row.ms = row.tflops = row.peak_gib = None
         row.status = "oom"

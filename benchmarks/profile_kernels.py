@@ -53,10 +53,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.timing import median_ms
+from benchmarks.timing import attention_tflops, median_ms
 
 WORKLOADS = ("fwd", "fwd_bwd", "fwd_bwd_bob", "bob")
-FLOPS_PER_NMD = {"fwd": 4, "fwd_bwd": 14, "fwd_bwd_bob": 52, "bob": 38}  # as bench_attention.py
 #: Launch keyword arguments that are launch options, not compile-time flags of the kernel.
 LAUNCH_OPTIONS = ("grid", "warmup", "num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion",
                   "launch_cooperative_grid", "launch_pdl", "debug", "instrumentation_mode")
@@ -469,9 +468,9 @@ def profile_case(args, workload, causal, recorder, limits, facts_of) -> list[dic
             total["share"] = 1.0
         if cuda:
             ms = median_ms(fn, args.iters)
-            flops = FLOPS_PER_NMD[workload] * args.n**2 * args.head_dim * args.batch * args.heads * (0.5 if causal else 1)
             total["event_ms"] = round(ms, 4)  # CUDA-event time of one whole iteration
-            total["tflops"] = round(flops / (ms * 1e-3) / 1e12, 1)
+            total["tflops"] = round(attention_tflops(workload, ms, batch=args.batch, heads=args.heads, n=args.n,
+                                                     m=args.n, head_dim=args.head_dim, causal=causal), 1)
         rows.append(total)
         if args.asm_dir:
             Path(args.asm_dir).mkdir(parents=True, exist_ok=True)

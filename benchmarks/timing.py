@@ -1,4 +1,4 @@
-"""CUDA-event timing shared by the GPU benchmarks."""
+"""CUDA-event timing shared by the GPU benchmarks, and the FLOP counts that turn times into TFLOP/s."""
 
 from __future__ import annotations
 
@@ -18,3 +18,15 @@ def median_ms(fn, reps: int) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+# Matrix-product FLOPs per (batch, head) in units of N*M*d, bob-math.md's fixed conventions (forward
+# 4, backward 10, BoB 38), whatever the implementation does; halved for causal masks.
+FLOPS_PER_NMD = {"fwd": 4, "fwd_bwd": 14, "fwd_bwd_bob": 52, "bob": 38}
+
+
+def attention_tflops(workload: str, ms: float, *, batch: int, heads: int, n: int, m: int, head_dim: int,
+                     causal: bool) -> float:
+    """TFLOP/s of ``workload`` on ``(batch, heads, n, m, head_dim)`` that took ``ms`` milliseconds."""
+    flops = FLOPS_PER_NMD[workload] * n * m * head_dim * batch * heads * (0.5 if causal else 1.0)
+    return flops / (ms * 1e-3) / 1e12
