@@ -1,6 +1,6 @@
-"""Hugging Face transformers: ``attn_implementation="flashbob"`` (needs the ``hf`` extra).
+"""Hugging Face transformers: ``attn_implementation="bob"`` (needs the ``hf`` extra).
 
-:func:`register` adds ``"flashbob"`` to transformers' ``AttentionInterface`` (the attention
+:func:`register` adds ``"bob"`` to transformers' ``AttentionInterface`` (the attention
 function) and ``AttentionMaskInterface`` (SDPA-style boolean masks, or None for plain causal), so
 that models using the attention interface (Llama, Qwen2, Mistral, GPT-2, ...) can be built with
 ``attn_implementation="bob"`` and get exact double backward (Hessian-vector products, ...).
