@@ -13,14 +13,14 @@ compute themselves, because ``torch.autograd.grad`` bypasses DDP.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
-import contextlib
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from typing import ContextManager
 from dataclasses import dataclass
+from typing import ContextManager
 
 import torch
 from torch import nn

@@ -86,20 +86,13 @@ class OptimizerConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(configs.TrainConfig):
+    """Steps and evaluation of pretraining; seed, device, logging and checkpoint settings are inherited."""
+
     steps: int = 200  # optimizer steps
     grad_accum_steps: int = 1  # micro-batches per step (first-order optimizers only)
-    seed: int = 0  # model initialisation and data order
-    device: str = "auto"  # auto (cuda if available) | cpu | cuda
-    dtype: str = "auto"  # auto (bfloat16 autocast on cuda, float32 elsewhere) | float32 | bfloat16
-    threads: int = 0  # CPU threads of torch's matrix products; 0: PyTorch's default (one per core)
     eval_interval: int = 50  # steps between validation losses (and at the last step)
     eval_batches: int = 4  # fixed validation batches per evaluation
-    log_interval: int = 10  # steps between logged training metrics (and at the first and last step)
-    checkpoint_interval: int = 100  # steps between checkpoints (and at the last step); 0: last step only
-    keep_checkpoints: int = 2  # newest checkpoints kept; 0: all
-    resume: Optional[str] = None  # None | auto (newest checkpoint of this run, if any) | checkpoint file or folder
-    progress: bool = True  # tqdm progress bar
 
 
 @dataclass

@@ -76,19 +76,12 @@ class OptimizerConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(configs.TrainConfig):
+    """Steps and evaluation of meta-training; seed, device, logging and checkpoint settings are inherited."""
+
     steps: int = 300  # meta-steps
-    seed: int = 0  # initialisation and task streams
-    device: str = "auto"  # auto (cuda if available) | cpu | cuda
-    dtype: str = "auto"  # auto (bfloat16 autocast on cuda, float32 elsewhere) | float32 | bfloat16
-    threads: int = 0  # CPU threads of torch's matrix products; 0: PyTorch's default
     eval_interval: int = 50  # steps between meta-test evaluations (and at the first and last step)
     eval_tasks: int = 32  # held-out meta-test tasks per evaluation (the same ones every time)
-    log_interval: int = 10  # steps between logged meta-train metrics (and at the first and last step)
-    checkpoint_interval: int = 100  # steps between checkpoints (and at the last step); 0: last step only
-    keep_checkpoints: int = 2  # newest checkpoints kept; 0: all
-    resume: Optional[str] = None  # None | auto (newest checkpoint of this run, if any) | checkpoint file or folder
-    progress: bool = True  # tqdm progress bar
 
 
 @dataclass

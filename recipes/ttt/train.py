@@ -78,19 +78,12 @@ class OptimizerConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(configs.TrainConfig):
+    """Steps and evaluation of TTT training; seed, device, logging and checkpoint settings are inherited."""
+
     steps: int = 300  # outer steps
-    seed: int = 0  # initialisation and data order
-    device: str = "auto"  # auto (cuda if available) | cpu | cuda
-    dtype: str = "auto"  # auto (bfloat16 autocast on cuda, float32 elsewhere) | float32 | bfloat16
-    threads: int = 0  # CPU threads of torch's matrix products; 0: PyTorch's default
     eval_interval: int = 100  # steps between validations (and at the first and last step)
     eval_batches: int = 8  # fixed validation batches per evaluation
-    log_interval: int = 10  # steps between logged training metrics (and at the first and last step)
-    checkpoint_interval: int = 100  # steps between checkpoints (and at the last step); 0: last step only
-    keep_checkpoints: int = 2  # newest checkpoints kept; 0: all
-    resume: Optional[str] = None  # None | auto (newest checkpoint of this run, if any) | checkpoint file or folder
-    progress: bool = True  # tqdm progress bar
 
 
 @dataclass
