@@ -96,14 +96,18 @@ def assert_matches_reference(outputs, inputs, cotangents, *, causal, scale, tole
     """Every output within ``tolerance`` of the float64 oracle, relative to the output's norm.
 
     References that are exactly zero in exact arithmetic (dQ and dK when each query sees a single
-    key, V̄ without dq_bar and dk_bar, ...) are detected by their size and checked absolutely.
+    key, V̄ without dq_bar and dk_bar, ...) are detected by their size and held to ``tolerance`` times
+    the largest entry of any output: they are sums of terms of that size that cancel, so their
+    rounding scales with it (float32 K̄ with one key reached 1.08e-5 against outputs of ~20).
     """
     check_layout(outputs, inputs)
     refs = run_reference(inputs, cotangents, causal=causal, scale=scale)
+    term_size = max(1.0, *(ref.abs().max().item() for ref in refs.values()))
     compared = []
     for name, ref in refs.items():
         if ref.abs().max() < 1e-12:
-            assert outputs[name].double().abs().max() < tolerance, f"{name} should be zero"
+            largest = outputs[name].double().abs().max()
+            assert largest < tolerance * term_size, f"{name} should be zero: max |x| = {largest:.2e}"
         else:
             error = relative_error(outputs[name], ref)
             assert error < tolerance, f"{name}: relative error {error:.2e} >= {tolerance:.0e}"
