@@ -187,12 +187,6 @@ def test_extreme_logits_float64(gen, backend, kind):
         assert (a - r).norm() <= 1e-9 * max(r.norm(), 1.0), f"{name}: {(a - r).norm():.2e}"
 
 
-TRANSPOSED_SCORES = pytest.mark.xfail(
-    INTERPRETED, strict=True, reason="in Triton's interpreter tl.dot is numpy's matmul, whose rounding of "
-    "S^T = K Q^T (column kernels) differs from that of S = Q K^T by an ulp; at |S| ~ 1e3 that moves one-hot "
-    "P by ~1e-4. See docs/reliability.md (Extreme logits); on the H200 this test runs on the GPU")
-
-
 def on_device(problem, bars):
     return [x.to(DEVICE) for x in problem], [b.to(DEVICE) for b in bars]
 
@@ -213,17 +207,25 @@ def test_shifted_logits_float32_no_worse_than_eager(gen, backend, kind):
         assert relative_error(a, r) <= 2 * relative_error(e, r) + 1e-6, name
 
 
-@pytest.mark.parametrize("backend", ["blocked", pytest.param("triton", marks=TRANSPOSED_SCORES)])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_peaked_logits_float32(gen, backend):
     """One-hot rows in float32: all outputs finite; the well-conditioned ``O`` and ``dV`` accurate.
-    (dQ, dK and BoB's outputs vanish in exact arithmetic here; they are held to float32 rounding of
-    their natural size, ``τ |dO| |V| |K|``, which the float64 test above checks tightly.)"""
+
+    ``O`` to 1e-5 relative. ``dV = P^T dO`` to 1e-5 on the blocked backend, which reuses the rows'
+    scores; the Triton column kernels recompute ``S^T = K Q^T``, which rounds differently from the
+    forward's ``S = Q K^T`` (numpy in the interpreter; the H200 too: dV 3.7e-5, 2026-11-30), so a
+    one-hot ``P`` moves by up to one ulp of the largest score: ``dV`` is held to that,
+    ``eps32 max|S|`` (~8e-4 here; the interpreter gives 7e-5 to 1e-4). dQ, dK and BoB's outputs
+    vanish in exact arithmetic here; the float64 test above checks them tightly."""
     problem, bars = on_device(*extreme_problem(gen, "peaked", torch.float32))
     ours = all_outputs(attention_fn(backend), *problem, bars)
     exact = all_outputs(reference.attention, *(x.double() for x in problem), [b.double() for b in bars])
     assert all(torch.isfinite(a).all() for a in ours)
-    for index in (0, 3):
-        assert relative_error(ours[index], exact[index]) < 1e-5, OUTPUTS[index]
+    q, k = (x.double() for x in problem[:2])
+    largest_score = (q @ k.transpose(-1, -2)).abs().max().item() / math.sqrt(q.shape[-1])
+    dv_bar = 1e-5 if backend == "blocked" else torch.finfo(torch.float32).eps * largest_score
+    assert relative_error(ours[0], exact[0]) < 1e-5, "o"
+    assert relative_error(ours[3], exact[3]) < dv_bar, f"dv (bar {dv_bar:.1e})"
 
 
 # ----------------------------------------------------------------------------- NaN and Inf
