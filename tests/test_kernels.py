@@ -136,11 +136,13 @@ def test_all_outputs(gen, shape, causal, dtype, small_tiles):
     assert_matches_reference(outputs, inputs, COTANGENTS, causal=causal, scale=scale, tolerance=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("schedule", ["two_pass", "four_pass"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}H{}Hkv{}N{}M{}d{}".format(*s))
-def test_three_pass_schedule(gen, shape, causal, small_tiles, monkeypatch):
-    """The three-pass BoB (scalars, direct rows, columns) gives the same outputs as the two-pass one."""
-    monkeypatch.setenv("FLASHBOB_BOB_SCHEDULE", "three_pass")
+def test_other_schedules(gen, shape, causal, schedule, small_tiles, monkeypatch):
+    """The two-pass BoB (rows, columns) and the four-pass one (scalars, Q-bar rows, dO-bar rows,
+    columns) match float64 like the default three-pass one."""
+    monkeypatch.setenv("FLASHBOB_BOB_SCHEDULE", schedule)
     inputs = make_inputs(gen, shape, EXACT)
     scale = shape[-1] ** -0.5
     outputs = run_kernels(inputs, COTANGENTS, causal=causal, scale=scale)
@@ -148,8 +150,9 @@ def test_three_pass_schedule(gen, shape, causal, small_tiles, monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_three_pass_float16_no_worse_than_eager(gen, causal, small_tiles, monkeypatch):
-    monkeypatch.setenv("FLASHBOB_BOB_SCHEDULE", "three_pass")
+@pytest.mark.parametrize("schedule", ["three_pass", "four_pass"])
+def test_float16_schedules_no_worse_than_eager(gen, causal, schedule, small_tiles, monkeypatch):
+    monkeypatch.setenv("FLASHBOB_BOB_SCHEDULE", schedule)
     shape = SHAPES[1]
     inputs = make_inputs(gen, shape, torch.float16)
     outputs = run_kernels(inputs, COTANGENTS, causal=causal, scale=shape[-1] ** -0.5)
@@ -202,7 +205,7 @@ def test_unknown_schedule_is_rejected(gen, monkeypatch):
 SUBSETS = [s for r in range(1, 4) for s in itertools.combinations(COTANGENTS, r)]
 
 
-@pytest.mark.parametrize("schedule", ["two_pass", "three_pass"])
+@pytest.mark.parametrize("schedule", ["two_pass", "three_pass", "four_pass"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("cotangents", SUBSETS, ids="+".join)
 def test_bob_cotangent_subsets(gen, cotangents, causal, schedule, small_tiles, monkeypatch):

@@ -30,10 +30,12 @@ from .common import (
     strides,
 )
 
-# Row sweeps of the two schedules (the PHASE of _bob_rows_kernel):
+# Row sweeps of the schedules (the PHASE of _bob_rows_kernel):
 TWO_PASS_ROWS = tl.constexpr(0)  # two-pass: A, C and the row outputs in one sweep (four d-vector accumulators)
-SCALARS = tl.constexpr(1)  # three-pass, sweep 1: only the row scalars A, C
-DIRECT_ROWS = tl.constexpr(2)  # three-pass, sweep 2: the row outputs from G_S with A, C known (two accumulators)
+SCALARS = tl.constexpr(1)  # three- and four-pass, sweep 1: only the row scalars A, C
+DIRECT_ROWS = tl.constexpr(2)  # three-pass, sweep 2: both row outputs from G_S, G_dP with A, C known
+Q_BAR_ROWS = tl.constexpr(3)  # four-pass, sweep 2: Q-bar alone (one accumulator)
+DO_BAR_ROWS = tl.constexpr(4)  # four-pass, sweep 3: dO-bar alone (one accumulator, no dP)
 
 
 @triton.jit
@@ -56,7 +58,8 @@ def _bob_rows_inner(
       :math:`r_4 \mathrel{+}= (P \circ \bar A) V + P \bar Z`;
     * ``SCALARS``: only ``a`` and ``c``;
     * ``DIRECT_ROWS`` (``a``, ``c`` hold the finished :math:`A, C`): :math:`r_1 \mathrel{+}= G_S K + dS\, \bar W`
-      and :math:`r_4 \mathrel{+}= G_{dP} V + P \bar Z` with :math:`G_S = P \circ (X - A\, dP - C)` and
+      and :math:`r_4 \mathrel{+}= G_{dP} V + P \bar Z` (``Q_BAR_ROWS``: only :math:`r_1`; ``DO_BAR_ROWS``: only
+      :math:`r_4`, without :math:`dP`) with :math:`G_S = P \circ (X - A\, dP - C)` and
       :math:`G_{dP} = P \circ (\bar A - A)`. They equal the two-pass row outputs (:math:`\sum_j P_{ij} V_j = O_i`)
       without their cancellation: with one-hot rows :math:`r_1 - A r_2 - C r_3` and :math:`r_4 - A O` cancel
       to ~0 after each term was rounded to the input dtype, which costs bf16 a few times eager's error.
@@ -74,8 +77,9 @@ def _bob_rows_inner(
             z_bar = load_tile(z_bar_base, keys, M, stride_zn, HEAD_DIM, BLOCK_D)
         p = probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, MASK_CAUSAL, PRECISION, key_mask_base,
                           HAS_KEY_MASK)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        dp_centered = dp - delta[:, None]
+        if PHASE != DO_BAR_ROWS:
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            dp_centered = dp - delta[:, None]
         x = tl.zeros_like(p)
         if HAS_DQ_BAR or HAS_DK_BAR:
             a_bar = tl.zeros_like(p)
@@ -84,29 +88,31 @@ def _bob_rows_inner(
             if HAS_DK_BAR:
                 a_bar += tl.dot(q, tl.trans(w_bar), input_precision=PRECISION)
             a_bar = a_bar * scale
-            p_a_bar = p * a_bar
-            x += dp_centered * a_bar
-            if PHASE != DIRECT_ROWS:
+            if PHASE != DO_BAR_ROWS:
+                x += dp_centered * a_bar
+            if PHASE == TWO_PASS_ROWS or PHASE == SCALARS:
+                p_a_bar = p * a_bar
                 a += tl.sum(p_a_bar, 1)
             if PHASE == TWO_PASS_ROWS:
                 r2 += tl.dot((p * dp).to(k.dtype), k, input_precision=PRECISION)
                 r4 += tl.dot(p_a_bar.to(v.dtype), v, input_precision=PRECISION)
-            if PHASE == DIRECT_ROWS:  # G_dP = P o (A-bar - A), formed before the rounding to the input dtype
+            if PHASE == DIRECT_ROWS or PHASE == DO_BAR_ROWS:  # G_dP = P o (A-bar - A), formed before the rounding
                 r4 += tl.dot((p * (a_bar - a[:, None])).to(v.dtype), v, input_precision=PRECISION)
         if HAS_DV_BAR:
-            x += tl.dot(do, tl.trans(z_bar), input_precision=PRECISION)
-            if PHASE != SCALARS:
+            if PHASE != DO_BAR_ROWS:
+                x += tl.dot(do, tl.trans(z_bar), input_precision=PRECISION)
+            if PHASE == TWO_PASS_ROWS or PHASE == DIRECT_ROWS or PHASE == DO_BAR_ROWS:
                 r4 += tl.dot(p.to(z_bar.dtype), z_bar, input_precision=PRECISION)
-        if PHASE == DIRECT_ROWS:
+        if PHASE == DIRECT_ROWS or PHASE == Q_BAR_ROWS:
             g_s = p * (x - a[:, None] * dp - c[:, None])
             r1 += tl.dot(g_s.to(k.dtype), k, input_precision=PRECISION)
-        else:
+        if PHASE == TWO_PASS_ROWS or PHASE == SCALARS:
             p_x = p * x
             c += tl.sum(p_x, 1)
             if PHASE == TWO_PASS_ROWS:
                 r1 += tl.dot(p_x.to(k.dtype), k, input_precision=PRECISION)
                 r3 += tl.dot(p.to(k.dtype), k, input_precision=PRECISION)
-        if HAS_DK_BAR and PHASE != SCALARS:
+        if HAS_DK_BAR and (PHASE == TWO_PASS_ROWS or PHASE == DIRECT_ROWS or PHASE == Q_BAR_ROWS):
             r1 += tl.dot((p * dp_centered).to(w_bar.dtype), w_bar, input_precision=PRECISION)
     return a, c, r1, r2, r3, r4
 
@@ -153,7 +159,7 @@ def _bob_rows_kernel(
     row_max, log_sum = load_softmax_stats(softmax_stats_pointer(STATS, batch_head, N), rows, N)
     delta = tl.load(row_vector_pointer(DELTA, batch_head, N) + rows, mask=rows < N, other=0.0)
     acc_dtype = DELTA.dtype.element_ty
-    if PHASE == DIRECT_ROWS:
+    if PHASE == DIRECT_ROWS or PHASE == Q_BAR_ROWS or PHASE == DO_BAR_ROWS:
         a = tl.load(row_vector_pointer(A, batch_head, N) + rows, mask=rows < N, other=0.0)
         c = tl.load(row_vector_pointer(C, batch_head, N) + rows, mask=rows < N, other=0.0)
     else:
@@ -179,20 +185,21 @@ def _bob_rows_kernel(
             HAS_KEY_MASK, PHASE,
         )
 
-    if PHASE != DIRECT_ROWS:
+    if PHASE == TWO_PASS_ROWS or PHASE == SCALARS:
         c = c - a * delta
         tl.store(row_vector_pointer(A, batch_head, N) + rows, a, mask=rows < N)
         tl.store(row_vector_pointer(C, batch_head, N) + rows, c, mask=rows < N)
-    if PHASE != SCALARS:
-        if PHASE == TWO_PASS_ROWS:
-            q_bar = scale * (r1 - a[:, None] * r2 - c[:, None] * r3)
-            o = load_tile(head_pointer(O, batch, head, stride_ob, stride_oh), rows, N, stride_on, HEAD_DIM, BLOCK_D)
-            do_bar = r4 - a[:, None] * o.to(acc_dtype)
-        else:
-            q_bar = scale * r1
-            do_bar = r4
+    if PHASE == TWO_PASS_ROWS:
+        q_bar = scale * (r1 - a[:, None] * r2 - c[:, None] * r3)
+        o = load_tile(head_pointer(O, batch, head, stride_ob, stride_oh), rows, N, stride_on, HEAD_DIM, BLOCK_D)
+        do_bar = r4 - a[:, None] * o.to(acc_dtype)
+    else:
+        q_bar = scale * r1
+        do_bar = r4
+    if PHASE == TWO_PASS_ROWS or PHASE == DIRECT_ROWS or PHASE == Q_BAR_ROWS:
         q_bar_base = head_pointer(Q_BAR, batch, head, stride_qbb, stride_qbh)
         store_tile(q_bar_base, q_bar, rows, N, stride_qbn, HEAD_DIM, BLOCK_D)
+    if PHASE == TWO_PASS_ROWS or PHASE == DIRECT_ROWS or PHASE == DO_BAR_ROWS:
         do_bar_base = head_pointer(DO_BAR, batch, head, stride_dobb, stride_dobh)
         store_tile(do_bar_base, do_bar, rows, N, stride_dobn, HEAD_DIM, BLOCK_D)
 
@@ -335,7 +342,9 @@ def bob(
     computed without any N x M tensor in the schedule :func:`~flashbob.kernels.configs.bob_schedule` names:
     ``two_pass``: rows (:math:`\bar Q, d\bar O, A, C` in one sweep), then columns (:math:`\bar K, \bar V`);
     ``three_pass``: the row scalars :math:`A, C`, then the row outputs from :math:`G_S` directly (half the
-    accumulators, so larger query tiles, for 3 more matrix products per tile), then columns. O, the
+    accumulators, so larger query tiles, for 3 more matrix products per tile), then columns; ``four_pass``:
+    as three-pass with the row outputs split into a :math:`\bar Q` sweep and a :math:`d\bar O` sweep (one
+    accumulator each, 3 more products per tile again). O, the
     softmax statistics and Δ are treated as constants: the formulas already contain every path through them.
 
     Args:
@@ -378,8 +387,11 @@ def bob(
         *strides(q), *strides(k), *strides(v), *strides(o), *strides(do), *strides(u_bar), *strides(w_bar),
         *strides(z_bar), *strides(q_bar), *strides(do_bar), heads, heads // kv_heads, n, m, qk_scale, scale, key_mask,
     )
-    sweeps = [("bob_rows", TWO_PASS_ROWS)] if configs.bob_schedule() == "two_pass" else [
-        ("bob_scalars", SCALARS), ("bob_rows_direct", DIRECT_ROWS)]
+    sweeps = {
+        "two_pass": [("bob_rows", TWO_PASS_ROWS)],
+        "three_pass": [("bob_scalars", SCALARS), ("bob_rows_direct", DIRECT_ROWS)],
+        "four_pass": [("bob_scalars", SCALARS), ("bob_rows_q_bar", Q_BAR_ROWS), ("bob_rows_do_bar", DO_BAR_ROWS)],
+    }[configs.bob_schedule()]
     for name, phase in sweeps:
         configs.launch(
             name, _bob_rows_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads), *row_sweep,

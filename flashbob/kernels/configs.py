@@ -55,6 +55,12 @@ SPACES = {
                           (32, 64, 4, 2), (32, 32, 4, 1), (16, 16, 4, 1)),
     "bob_rows_direct": _space((32, 32, 4, 2), (64, 64, 8, 2), (64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2),
                               (32, 64, 8, 2), (16, 32, 8, 2), (16, 16, 4, 1)),
+    # four-pass schedule: the direct row sweep split in two, one accumulator each (untuned guesses,
+    # ordered like dQ's space, whose single accumulator runs 64 x 64 tiles)
+    "bob_rows_q_bar": _space((64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2),
+                             (32, 64, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)),
+    "bob_rows_do_bar": _space((64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2),
+                              (32, 64, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)),
     "bob_cols": _space((64, 32, 4, 2), (64, 32, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2),
                        (64, 128, 8, 2), (32, 32, 8, 1), (16, 16, 4, 1)),
 }
@@ -70,6 +76,8 @@ _FOOTPRINT = {
     "bob_rows": (4, 3, 5, 4),
     "bob_scalars": (0, 3, 5, 4),
     "bob_rows_direct": (2, 3, 5, 4),
+    "bob_rows_q_bar": (1, 3, 5, 4),
+    "bob_rows_do_bar": (1, 2, 3, 4),
     "bob_cols": (2, 4, 5, 3),
 }
 MAX_REGISTERS_PER_THREAD = 256  # sm_90 has 255 per thread: over this estimate a config cannot fit
@@ -77,7 +85,7 @@ MAX_SHARED_BYTES = 220 * 1024  # sm_90 allows 227 KiB per block
 
 _overrides: dict[str, int] = {}
 
-BOB_SCHEDULES = ("two_pass", "three_pass")
+BOB_SCHEDULES = ("two_pass", "three_pass", "four_pass")
 DEFAULT_BOB_SCHEDULE = "three_pass"  # 11-21% faster BoB than two-pass on the H200, and exact one-hot rows (docs/performance.md)
 
 
