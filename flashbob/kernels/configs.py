@@ -55,11 +55,11 @@ SPACES = {
                           (32, 64, 4, 2), (32, 32, 4, 1), (16, 16, 4, 1)),
     "bob_rows_direct": _space((32, 32, 4, 2), (64, 64, 8, 2), (64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2),
                               (32, 64, 8, 2), (16, 32, 8, 2), (16, 16, 4, 1)),
-    # four-pass schedule: the direct row sweep split in two, one accumulator each (untuned guesses,
-    # ordered like dQ's space, whose single accumulator runs 64 x 64 tiles)
-    "bob_rows_q_bar": _space((64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2),
+    # four-pass schedule: the direct row sweep split in two, one accumulator each; the first
+    # candidates are the H200's picks (d = 128, bf16, N = 16K, causal and not)
+    "bob_rows_q_bar": _space((64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2),
                              (32, 64, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)),
-    "bob_rows_do_bar": _space((64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2),
+    "bob_rows_do_bar": _space((128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2),
                               (32, 64, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)),
     "bob_cols": _space((64, 32, 4, 2), (64, 32, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2),
                        (64, 128, 8, 2), (32, 32, 8, 1), (16, 16, 4, 1)),
@@ -86,7 +86,9 @@ MAX_SHARED_BYTES = 220 * 1024  # sm_90 allows 227 KiB per block
 _overrides: dict[str, int] = {}
 
 BOB_SCHEDULES = ("two_pass", "three_pass", "four_pass")
-DEFAULT_BOB_SCHEDULE = "three_pass"  # 11-21% faster BoB than two-pass on the H200, and exact one-hot rows (docs/performance.md)
+# four-pass: BoB 12-13% faster than three-pass on the H200 (which was 11-22% faster than two-pass and
+# forms one-hot rows without cancellation, as four-pass does); docs/performance.md
+DEFAULT_BOB_SCHEDULE = "four_pass"
 
 
 def bob_schedule() -> str:
