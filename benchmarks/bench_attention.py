@@ -45,8 +45,6 @@ import argparse
 import contextlib
 import csv
 import json
-import statistics
-import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -55,7 +53,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashbob
-from benchmarks.timing import FLOPS_PER_NMD, attention_tflops, median_ms
+from benchmarks.timing import FLOPS_PER_NMD, attention_tflops, median_ms, wall_median_ms
 from flashbob import reference
 
 
@@ -123,16 +121,6 @@ def make_workload(impl, workload, q, k, v, causal):
         return run
     grads = torch.autograd.grad(attn(q, k, v, causal), inputs, do, create_graph=True)
     return lambda: torch.autograd.grad(grads, inputs, bars, retain_graph=True)
-
-
-def wall_median_ms(fn, reps: int) -> float:
-    """Median wall-clock time of ``fn()`` in milliseconds (``--device cpu``)."""
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def measure(impl, workload, n, batch, heads, head_dim, causal, dtype, warmup, reps, device="cuda",

@@ -1,10 +1,11 @@
 """Time BoB alone under each schedule of the BoB kernels, autotuning only the kernels named (GPU).
 
-    PYTHONPATH=. python benchmarks/compare_schedules.py --out docs/bench_schedules_four_pass.csv
+    PYTHONPATH=. python benchmarks/compare_schedules.py --schedules four_pass five_pass \
+        --tune bob_cols_k_bar bob_cols_v_bar --out schedules.csv
 
 For each causal flag and each ``--schedules`` entry (``FLASHBOB_BOB_SCHEDULE``) it times the second
-backward alone (the ``bob`` workload of ``bench_attention.py`` through the Triton kernels: a retained first-backward graph, median of
-``--reps`` CUDA-event timings after two warm-up runs) at one shape. Every kernel runs its default
+backward alone through the Triton kernels (``bench_attention.py``'s ``bob`` workload: a retained
+first-backward graph; median of ``--reps`` CUDA-event timings after two warm-up runs) at one shape. Every kernel runs its default
 config except those in ``--tune``, which autotune over their own space (``kernels/configs.py``), so
 a new schedule's kernels can be tuned in a minute instead of tuning all of them. It then checks that
 the schedules agree: BoB's outputs in float32 at ``--check-n`` (odd, causal) relative to the first
@@ -17,14 +18,12 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
 import flashbob
-from benchmarks.timing import attention_tflops, median_ms
+from benchmarks.timing import attention_tflops, median_ms, wall_median_ms
 from flashbob.kernels import configs
 
 
@@ -34,17 +33,6 @@ def restrict_tuning(tuned: list[str]) -> None:
         if kernel not in tuned:
             configs.SPACES[kernel] = configs.SPACES[kernel][:1]
     configs.candidates.cache_clear()
-
-
-def time_ms(fn, reps: int, cuda: bool) -> float:
-    if cuda:
-        return median_ms(fn, reps)
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def bob_workload(q, k, v, causal: bool):
@@ -91,7 +79,7 @@ def main() -> None:
             fn = bob_workload(q, k, v, causal)
             for _ in range(2):  # compiles and autotunes outside the measurement
                 fn()
-            ms = time_ms(fn, args.reps, cuda)
+            ms = median_ms(fn, args.reps) if cuda else wall_median_ms(fn, args.reps)
             tflops = attention_tflops("bob", ms, batch=1, heads=args.heads, n=args.n, m=args.n,
                                       head_dim=args.head_dim, causal=causal)
             rows.append(dict(schedule=schedule, n=args.n, heads=args.heads, head_dim=args.head_dim, causal=causal,

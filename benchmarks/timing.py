@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -17,6 +18,16 @@ def median_ms(fn, reps: int) -> float:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def wall_median_ms(fn, reps: int) -> float:
+    """Median wall-clock time of ``fn()`` in milliseconds (the benchmarks' CPU smoke tests)."""
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
 
