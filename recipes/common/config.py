@@ -62,9 +62,23 @@ def load(schema: type, path: str | None, overrides: Iterable[str]) -> DictConfig
         raise ConfigError(f"bad config key {key!r}: {message}" if key else f"bad config: {message}") from None
 
 
+# Rules of the shared TrainConfig and LoggerConfig keys, which check() applies to every recipe.
+COMMON_CHOICES = {
+    "train.device": ("auto", "cpu", "cuda"),
+    "train.dtype": ("auto", "float32", "bfloat16"),
+    "logger.kind": ("wandb", "none"),
+    "logger.wandb_mode": ("offline", "online", "disabled"),
+}
+COMMON_POSITIVE = ("train.log_interval",)
+COMMON_NON_NEGATIVE = ("train.threads", "train.checkpoint_interval", "train.keep_checkpoints")
+
+
 def check(cfg: DictConfig, choices: dict[str, tuple], positive: Iterable[str] = (),
           non_negative: Iterable[str] = ()) -> None:
-    """Raise :class:`ConfigError` for a value outside its ``choices``, or not > 0 / >= 0."""
+    """Raise :class:`ConfigError` for a value outside its ``choices``, or not > 0 / >= 0; the shared
+    run-control keys (``COMMON_*``) are checked as well."""
+    choices = {**COMMON_CHOICES, **choices}
+    positive, non_negative = (*COMMON_POSITIVE, *positive), (*COMMON_NON_NEGATIVE, *non_negative)
     for key, allowed in choices.items():
         if OmegaConf.select(cfg, key) not in allowed:
             got = OmegaConf.select(cfg, key)

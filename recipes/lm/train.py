@@ -117,17 +117,12 @@ CHOICES = {
     "model.attention_backend": ("auto", "triton", "blocked"),
     "data.source": ("stdlib", "text", "binary"),
     "data.binary_dtype": tuple(data.BINARY_DTYPES),
-    "train.device": ("auto", "cpu", "cuda"),
-    "train.dtype": ("auto", "float32", "bfloat16"),
-    "logger.kind": ("wandb", "none"),
-    "logger.wandb_mode": ("offline", "online", "disabled"),
 }
 POSITIVE = ("model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.mlp_ratio",
             "data.max_bytes", "data.context_length", "data.batch_size", "optimizer.lr", "train.steps",
-            "train.grad_accum_steps", "train.eval_interval", "train.eval_batches", "train.log_interval")
+            "train.grad_accum_steps", "train.eval_interval", "train.eval_batches")
 NON_NEGATIVE = ("optimizer.weight_decay", "optimizer.grad_clip", "optimizer.warmup_steps",
-                "optimizer.min_lr_ratio", "train.checkpoint_interval", "train.keep_checkpoints", "train.threads",
-                "model.dropout")
+                "optimizer.min_lr_ratio", "model.dropout")
 
 
 def validate(cfg: DictConfig) -> None:

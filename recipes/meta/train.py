@@ -106,17 +106,12 @@ CHOICES = {
     "model.backend": BACKENDS,
     "task.family": FAMILIES,
     "maml.inner_optimizer": ("sgd", "adam"),
-    "train.device": ("auto", "cpu", "cuda"),
-    "train.dtype": ("auto", "float32", "bfloat16"),
-    "logger.kind": ("wandb", "none"),
-    "logger.wandb_mode": ("offline", "online", "disabled"),
 }
 POSITIVE = ("model.d_model", "model.n_layers", "model.n_heads", "model.mlp_ratio", "task.n_way", "task.k_shot",
             "task.k_query", "task.seq_len", "task.vocab_size", "task.motif_length", "maml.inner_lr",
             "maml.inner_steps", "maml.meta_batch", "optimizer.lr", "train.steps", "train.eval_interval",
-            "train.eval_tasks", "train.log_interval")
-NON_NEGATIVE = ("optimizer.grad_clip", "optimizer.weight_decay", "train.threads", "train.checkpoint_interval",
-                "train.keep_checkpoints")
+            "train.eval_tasks")
+NON_NEGATIVE = ("optimizer.grad_clip", "optimizer.weight_decay")
 
 
 def validate(cfg: DictConfig) -> None:

@@ -108,16 +108,11 @@ CHOICES = {
     "model.backend": BACKENDS,
     "data.source": ("stdlib", "text", "binary"),
     "ttt.weights": tuple(ttt.WEIGHTS),
-    "train.device": ("auto", "cpu", "cuda"),
-    "train.dtype": ("auto", "float32", "bfloat16"),
-    "logger.kind": ("wandb", "none"),
-    "logger.wandb_mode": ("offline", "online", "disabled"),
 }
 POSITIVE = ("model.d_model", "model.n_layers", "model.n_heads", "model.mlp_ratio", "data.max_bytes",
             "data.context_length", "data.continuation_length", "data.batch_size", "ttt.inner_lr", "ttt.layers",
-            "optimizer.lr", "train.steps", "train.eval_interval", "train.eval_batches", "train.log_interval")
-NON_NEGATIVE = ("ttt.inner_steps", "optimizer.weight_decay", "optimizer.grad_clip", "optimizer.warmup_steps",
-                "train.threads", "train.checkpoint_interval", "train.keep_checkpoints")
+            "optimizer.lr", "train.steps", "train.eval_interval", "train.eval_batches")
+NON_NEGATIVE = ("ttt.inner_steps", "optimizer.weight_decay", "optimizer.grad_clip", "optimizer.warmup_steps")
 
 
 def validate(cfg: DictConfig) -> None:
