@@ -49,6 +49,8 @@ def attention(
     keep = visible(q.shape[0], q.shape[2], k.shape[2], causal=causal, key_mask=key_mask, device=q.device)
     if keep is None:
         return torch.softmax(scores, dim=-1) @ v
+    if key_mask is None:  # causal alone: every query sees key 0, no row is empty
+        return torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v
     any_key = keep.any(-1, keepdim=True)
     scores = scores.masked_fill(~keep, float("-inf")).masked_fill(~any_key, 0.0)
     return (torch.softmax(scores, dim=-1) * any_key) @ v
