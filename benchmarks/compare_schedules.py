@@ -1,7 +1,7 @@
 """Time BoB alone under each schedule of the BoB kernels, autotuning only the kernels named (GPU).
 
-    PYTHONPATH=. python benchmarks/compare_schedules.py --schedules four_pass five_pass \
-        --tune bob_cols_k_bar bob_cols_v_bar --out schedules.csv
+    PYTHONPATH=. python benchmarks/compare_schedules.py --schedules three_pass four_pass \
+        --tune bob_rows_q_bar bob_rows_do_bar --out schedules.csv
 
 For each causal flag and each ``--schedules`` entry (``FLASHBOB_BOB_SCHEDULE``) it times the second
 backward alone through the Triton kernels (``bench_attention.py``'s ``bob`` workload: a retained

@@ -37,11 +37,6 @@ DIRECT_ROWS = tl.constexpr(2)  # three-pass, sweep 2: both row outputs from G_S,
 Q_BAR_ROWS = tl.constexpr(3)  # four-pass, sweep 2: Q-bar alone (one accumulator)
 DO_BAR_ROWS = tl.constexpr(4)  # four-pass, sweep 3: dO-bar alone (one accumulator, no dP)
 
-# Column sweeps (the OUTPUTS of _bob_columns_kernel):
-KV_BAR_COLUMNS = tl.constexpr(0)  # K-bar and V-bar in one sweep (two accumulators)
-K_BAR_COLUMNS = tl.constexpr(1)  # five-pass: K-bar alone
-V_BAR_COLUMNS = tl.constexpr(2)  # five-pass: V-bar alone (no dP, no B-bar)
-
 
 @triton.jit
 def _bob_rows_inner(
@@ -216,7 +211,7 @@ def _bob_columns_inner(
     keys, start, end, N, qk_scale, scale, key_mask_base, M,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASK_CAUSAL: tl.constexpr,
     HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr, OUTPUTS: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr,
 ):
     r"""Add query rows ``[start, end)`` of one query head to a key block's
 
@@ -225,9 +220,7 @@ def _bob_columns_inner(
         \bar V_j \mathrel{+}= \sum_i G_{dP,ij}\, dO_i,\\
         G_{dP} = P \circ (\bar A - A),\quad G_S = P \circ ((dP - \Delta) \circ \bar A - A\, dP + \bar B - C)
 
-    with :math:`A, C` from the row sweep; tiles are kept transposed (keys by queries). ``OUTPUTS``:
-    both (``KV_BAR_COLUMNS``), only :math:`\bar K` (``K_BAR_COLUMNS``) or only :math:`\bar V`
-    (``V_BAR_COLUMNS``, which needs neither :math:`dP` nor :math:`\bar B`).
+    with :math:`A, C` from the row sweep; tiles are kept transposed (keys by queries).
     """
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
@@ -241,10 +234,9 @@ def _bob_columns_inner(
         p_t = probabilities_transposed(
             k, q, row_max, log_sum, rows, keys, qk_scale, MASK_CAUSAL, PRECISION, key_mask_base, M, HAS_KEY_MASK
         )
-        if OUTPUTS != V_BAR_COLUMNS:
-            dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-            dp_centered_t = dp_t - delta[None, :]
-            g_s_t = tl.zeros_like(p_t) - c[None, :]
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        dp_centered_t = dp_t - delta[None, :]
+        g_s_t = tl.zeros_like(p_t) - c[None, :]
         if HAS_DQ_BAR or HAS_DK_BAR:
             a = tl.load(a_base + rows, mask=rows < N, other=0.0)
             a_bar_t = tl.zeros_like(p_t)
@@ -253,17 +245,14 @@ def _bob_columns_inner(
             if HAS_DK_BAR:
                 a_bar_t += tl.dot(w_bar, tl.trans(q), input_precision=PRECISION)
             a_bar_t = a_bar_t * scale
-            if OUTPUTS != V_BAR_COLUMNS:
-                g_s_t += dp_centered_t * a_bar_t - a[None, :] * dp_t
-            if OUTPUTS != K_BAR_COLUMNS:
-                g_dp_t = p_t * (a_bar_t - a[None, :])
-                v_bar += tl.dot(g_dp_t.to(do.dtype), do, input_precision=PRECISION)
-        if OUTPUTS != V_BAR_COLUMNS:
-            if HAS_DV_BAR:
-                g_s_t += tl.dot(z_bar, tl.trans(do), input_precision=PRECISION)
-            k_bar += tl.dot((p_t * g_s_t).to(q.dtype), q, input_precision=PRECISION)
-            if HAS_DQ_BAR:
-                k_bar += tl.dot((p_t * dp_centered_t).to(u_bar.dtype), u_bar, input_precision=PRECISION)
+            g_s_t += dp_centered_t * a_bar_t - a[None, :] * dp_t
+            g_dp_t = p_t * (a_bar_t - a[None, :])
+            v_bar += tl.dot(g_dp_t.to(do.dtype), do, input_precision=PRECISION)
+        if HAS_DV_BAR:
+            g_s_t += tl.dot(z_bar, tl.trans(do), input_precision=PRECISION)
+        k_bar += tl.dot((p_t * g_s_t).to(q.dtype), q, input_precision=PRECISION)
+        if HAS_DQ_BAR:
+            k_bar += tl.dot((p_t * dp_centered_t).to(u_bar.dtype), u_bar, input_precision=PRECISION)
     return k_bar, v_bar
 
 
@@ -277,12 +266,11 @@ def _bob_columns_kernel(
     heads, kv_heads, group, N, M, qk_scale, scale, KEY_MASK,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, OUTPUTS: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
-    r"""BoB's column sweep for one key block of one kv head: :math:`\bar K = \tau (G_S^\top Q + dS^\top \bar U)`
+    r"""BoB pass 2 for one key block of one kv head: :math:`\bar K = \tau (G_S^\top Q + dS^\top \bar U)`
     and :math:`\bar V = G_{dP}^\top dO`, summed over the ``group`` query heads sharing it; the
-    causal split of the query rows is the one of the dK/dV kernel. ``OUTPUTS`` selects both or one of
-    them (:func:`_bob_columns_inner`); the other is not written."""
+    causal split of the query rows is the one of the dK/dV kernel."""
     start_n = tl.program_id(0) * BLOCK_N
     batch_kv_head = tl.program_id(1)
     batch, kv_head = batch_kv_head // kv_heads, batch_kv_head % kv_heads
@@ -320,21 +308,19 @@ def _bob_columns_kernel(
                 k_bar, v_bar, k, v, w_bar, z_bar, q_base, do_base, u_bar_base, stats_base, delta_base, a_base,
                 c_base, stride_qn, stride_don, stride_un, keys, start_n, masked_end, N, qk_scale, scale,
                 key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION,
-                HAS_KEY_MASK, OUTPUTS,
+                HAS_KEY_MASK,
             )
         k_bar, v_bar = _bob_columns_inner(
             k_bar, v_bar, k, v, w_bar, z_bar, q_base, do_base, u_bar_base, stats_base, delta_base, a_base,
             c_base, stride_qn, stride_don, stride_un, keys, masked_end, N, N, qk_scale, scale,
             key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION,
-            HAS_KEY_MASK, OUTPUTS,
+            HAS_KEY_MASK,
         )
 
-    if OUTPUTS != V_BAR_COLUMNS:
-        k_bar_base = head_pointer(K_BAR, batch, kv_head, stride_kbb, stride_kbh)
-        store_tile(k_bar_base, k_bar * scale, keys, M, stride_kbn, HEAD_DIM, BLOCK_D)
-    if OUTPUTS != K_BAR_COLUMNS:
-        v_bar_base = head_pointer(V_BAR, batch, kv_head, stride_vbb, stride_vbh)
-        store_tile(v_bar_base, v_bar, keys, M, stride_vbn, HEAD_DIM, BLOCK_D)
+    k_bar_base = head_pointer(K_BAR, batch, kv_head, stride_kbb, stride_kbh)
+    store_tile(k_bar_base, k_bar * scale, keys, M, stride_kbn, HEAD_DIM, BLOCK_D)
+    v_bar_base = head_pointer(V_BAR, batch, kv_head, stride_vbb, stride_vbh)
+    store_tile(v_bar_base, v_bar, keys, M, stride_vbn, HEAD_DIM, BLOCK_D)
 
 
 def bob(
@@ -358,8 +344,7 @@ def bob(
     ``three_pass``: the row scalars :math:`A, C`, then the row outputs from :math:`G_S` directly (half the
     accumulators, so larger query tiles, for 3 more matrix products per tile), then columns; ``four_pass``:
     as three-pass with the row outputs split into a :math:`\bar Q` sweep and a :math:`d\bar O` sweep (one
-    accumulator each, 3 more products per tile again); ``five_pass``: as four-pass with the column sweep
-    split into a :math:`\bar K` and a :math:`\bar V` sweep likewise. O, the
+    accumulator each, 3 more products per tile again). O, the
     softmax statistics and Δ are treated as constants: the formulas already contain every path through them.
 
     Args:
@@ -402,26 +387,21 @@ def bob(
         *strides(q), *strides(k), *strides(v), *strides(o), *strides(do), *strides(u_bar), *strides(w_bar),
         *strides(z_bar), *strides(q_bar), *strides(do_bar), heads, heads // kv_heads, n, m, qk_scale, scale, key_mask,
     )
-    schedule = configs.bob_schedule()
-    row_sweeps = {
+    sweeps = {
         "two_pass": [("bob_rows", TWO_PASS_ROWS)],
         "three_pass": [("bob_scalars", SCALARS), ("bob_rows_direct", DIRECT_ROWS)],
-    }.get(schedule, [("bob_scalars", SCALARS), ("bob_rows_q_bar", Q_BAR_ROWS), ("bob_rows_do_bar", DO_BAR_ROWS)])
-    column_sweeps = ([("bob_cols_k_bar", K_BAR_COLUMNS), ("bob_cols_v_bar", V_BAR_COLUMNS)] if schedule == "five_pass"
-                     else [("bob_cols", KV_BAR_COLUMNS)])
-    for name, phase in row_sweeps:
+        "four_pass": [("bob_scalars", SCALARS), ("bob_rows_q_bar", Q_BAR_ROWS), ("bob_rows_do_bar", DO_BAR_ROWS)],
+    }[configs.bob_schedule()]
+    for name, phase in sweeps:
         configs.launch(
             name, _bob_rows_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads), *row_sweep,
             head_dim=head_dim, dtype=q.dtype, length=n, **constants, PHASE=phase.value,
         )
-    column_sweep = (
+    configs.launch(
+        "bob_cols", _bob_columns_kernel, lambda meta: (triton.cdiv(m, meta["BLOCK_N"]), batch * kv_heads),
         q, k, v, do, stats, delta, a, c, u_bar, w_bar, z_bar, k_bar, v_bar,
         *strides(q), *strides(k), *strides(v), *strides(do), *strides(u_bar), *strides(w_bar), *strides(z_bar),
         *strides(k_bar), *strides(v_bar), heads, kv_heads, heads // kv_heads, n, m, qk_scale, scale, key_mask,
+        head_dim=head_dim, dtype=q.dtype, length=m, **constants,
     )
-    for name, outputs in column_sweeps:
-        configs.launch(
-            name, _bob_columns_kernel, lambda meta: (triton.cdiv(m, meta["BLOCK_N"]), batch * kv_heads), *column_sweep,
-            head_dim=head_dim, dtype=q.dtype, length=m, **constants, OUTPUTS=outputs.value,
-        )
     return q_bar, k_bar, v_bar, do_bar

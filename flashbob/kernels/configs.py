@@ -63,12 +63,6 @@ SPACES = {
                               (32, 64, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)),
     "bob_cols": _space((64, 32, 4, 2), (64, 32, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2),
                        (64, 128, 8, 2), (32, 32, 8, 1), (16, 16, 4, 1)),
-    # five-pass schedule: the column sweep split in two, one accumulator each (untuned guesses with
-    # 64- and 128-key tiles, ordered like dK/dV's space)
-    "bob_cols_k_bar": _space((32, 64, 4, 2), (64, 64, 4, 2), (64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2),
-                             (64, 32, 4, 2), (32, 32, 4, 1), (16, 16, 4, 1)),
-    "bob_cols_v_bar": _space((32, 64, 4, 2), (64, 64, 4, 2), (64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2),
-                             (64, 32, 4, 2), (32, 32, 4, 1), (16, 16, 4, 1)),
 }
 KERNELS = tuple(SPACES)
 
@@ -85,15 +79,13 @@ _FOOTPRINT = {
     "bob_rows_q_bar": (1, 3, 5, 4),
     "bob_rows_do_bar": (1, 2, 3, 4),
     "bob_cols": (2, 4, 5, 3),
-    "bob_cols_k_bar": (1, 4, 5, 3),
-    "bob_cols_v_bar": (1, 2, 3, 3),
 }
 MAX_REGISTERS_PER_THREAD = 256  # sm_90 has 255 per thread: over this estimate a config cannot fit
 MAX_SHARED_BYTES = 220 * 1024  # sm_90 allows 227 KiB per block
 
 _overrides: dict[str, int] = {}
 
-BOB_SCHEDULES = ("two_pass", "three_pass", "four_pass", "five_pass")
+BOB_SCHEDULES = ("two_pass", "three_pass", "four_pass")
 # four-pass: BoB 12-13% faster than three-pass on the H200 (which was 11-22% faster than two-pass and
 # forms one-hot rows without cancellation, as four-pass does); docs/performance.md
 DEFAULT_BOB_SCHEDULE = "four_pass"
@@ -111,8 +103,7 @@ def fits(kernel: str, config: BlockConfig, head_dim: int, dtype: torch.dtype) ->
     """Rough register and shared-memory budget of ``config``: configs that cannot fit are pruned."""
     accumulators, inputs, scores, streamed = _FOOTPRINT[kernel]
     block_d = max(16, triton.next_power_of_2(head_dim))
-    outer, inner = ((config.block_n, config.block_m) if kernel == "dkdv" or kernel.startswith("bob_cols")
-                    else (config.block_m, config.block_n))
+    outer, inner = (config.block_n, config.block_m) if kernel in ("dkdv", "bob_cols") else (config.block_m, config.block_n)
     words = accumulators * outer * block_d + inputs * outer * block_d * dtype.itemsize / 4
     words += scores * config.block_m * config.block_n
     shared = config.num_stages * streamed * inner * block_d * dtype.itemsize
