@@ -11,7 +11,13 @@ from torch.optim import Optimizer
 
 from optim import _closure
 from optim import distributed as _dist
-from optim.curvature import Distribution, HessianOperator, _probe, _vjp, hutchinson_diagonal
+from optim.curvature import (
+    Distribution,
+    HessianOperator,
+    _probe,
+    _vjp,
+    hutchinson_diagonal,
+)
 
 
 class AdaHessian(Optimizer):

@@ -13,7 +13,13 @@ from torch.optim import Optimizer
 from optim import _closure
 from optim import distributed as _dist
 from optim.cg import _dot, cg, martens_schedule
-from optim.curvature import CurvatureOperator, GGNOperator, HessianOperator, LossHessian, hutchinson_diagonal
+from optim.curvature import (
+    CurvatureOperator,
+    GGNOperator,
+    HessianOperator,
+    LossHessian,
+    hutchinson_diagonal,
+)
 
 Curvature = Literal["auto", "ggn", "hessian"]
 Preconditioner = Literal["hutchinson", "squared_gradients"] | None
@@ -245,7 +251,8 @@ class NewtonCG(Optimizer):
                 with _closure.graph_errors("NewtonCG"):
                     s_bs = sign * float(_dot(s, operator.matvec(s)))
                 models.append(float(_dot(g, s)) + 0.5 * s_bs)
-        del result, operator, damped, precondition  # free the graph before the parameters move
+        operator = None  # free the graph before the parameters move (damped's closure shares this cell)
+        del result, damped, precondition
 
         chosen, new_damping, ratio, alpha = self._search(
             settings, closure, params, lrs, g, solve, models, float(loss), sign
