@@ -17,19 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import flashbob
-
-
-class RMSNorm(nn.Module):
-    r""":math:`y = x / \sqrt{\mathrm{mean}(x^2) + \epsilon} \cdot w`, statistics in float32."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+from recipes.common.transformer import RMSNorm, rotate
 
 
 def make_norm(kind: str, dim: int) -> nn.Module:
@@ -39,20 +27,6 @@ def make_norm(kind: str, dim: int) -> nn.Module:
     if kind == "layernorm":
         return nn.LayerNorm(dim)
     raise ValueError(f"norm must be 'rmsnorm' or 'layernorm', got {kind!r}")
-
-
-def rotate(x: torch.Tensor, base: float) -> torch.Tensor:
-    r"""Rotary position embedding of ``x`` ``(batch, heads, seq, head_dim)``.
-
-    Channel pairs :math:`(x_i, x_{i + d/2})` at position :math:`t` turn by the angle
-    :math:`t\, \mathrm{base}^{-2i/d}`; angles are computed in float32 and the result has ``x``'s dtype.
-    """
-    n, d = x.shape[-2], x.shape[-1]
-    inv_freq = base ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    angles = torch.outer(torch.arange(n, device=x.device, dtype=torch.float32), inv_freq)
-    cos, sin = angles.cos(), angles.sin()
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 class CausalSelfAttention(nn.Module):
