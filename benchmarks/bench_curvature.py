@@ -13,14 +13,13 @@ after warm-up; peak ``torch.cuda.max_memory_allocated`` over the timed runs.
 from __future__ import annotations
 
 import argparse
-import csv
 from contextlib import nullcontext
-from pathlib import Path
 from unittest import mock
 
 import torch
 
 import optim
+from benchmarks.results import write_rows
 from benchmarks.timing import median_ms
 from flashbob import reference
 from recipes.lm import model as lm_model
@@ -93,11 +92,7 @@ def main() -> None:
                 rows.append(row)
                 print(f"{impl:8s} {name:4s} context={context:6d} {row['status']:3s} "
                       f"ms={row['ms'] or 0:9.2f} peak={row['peak_gib'] or 0:6.2f} GiB", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(args.out, rows)
 
 
 if __name__ == "__main__":

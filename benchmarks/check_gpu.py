@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.results import write_rows
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 OUTPUTS = ("o", "dq", "dk", "dv", "q_bar", "k_bar", "v_bar", "do_bar")
 HALF_BAR = 1.5  # bf16/fp16: flashbob's error at most this times eager's
@@ -259,11 +261,7 @@ def run_memory(args, kernels) -> None:
     rows.append(dict(impl="eager", n=args.n[0], heads=heads, head_dim=head_dim, peak_gib=peak,
                      seconds=f"{seconds:.2f}"))
     print(rows[-1], flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(args.out, rows)
     print(f"\n{'impl':>8} {'N':>6} {'peak GiB':>9} {'s':>7}")
     for row in rows:
         print(f"{row['impl']:>8} {row['n']:>6} {row['peak_gib']:>9} {row['seconds']:>7}")

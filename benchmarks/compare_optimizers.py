@@ -29,7 +29,6 @@ table of the results last.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import subprocess
 import sys
@@ -43,6 +42,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from benchmarks.environment import child_environment
+from benchmarks.results import write_rows
 from recipes.lm.train import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,10 +145,7 @@ def plot(rows: list[dict], optimizers: list[str], x: str, xlabel: str, path: Pat
 def write_csv(rows: list[dict], path: Path) -> None:
     """All rows; the optimizers' statistics (``optimizer/...``) follow the common columns."""
     extra = sorted({k for r in rows for k in r} - set(FIELDS))
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, FIELDS + extra, restval="")
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(path, rows, FIELDS + extra)
 
 
 def markdown(summaries: list[dict]) -> str:

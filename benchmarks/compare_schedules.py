@@ -16,13 +16,13 @@ schedule's. Prints a Markdown table and the configs autotuning picked; writes on
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 from pathlib import Path
 
 import torch
 
 import flashbob
+from benchmarks.results import write_rows
 from benchmarks.timing import attention_tflops, median_ms, wall_median_ms
 from flashbob.kernels import configs
 
@@ -102,11 +102,7 @@ def main() -> None:
         if r["kernel"] in args.tune:
             print(f"autotuned {r['kernel']} (causal={r['flags'].get('CAUSAL')}): {r['config']}")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_rows(args.out, rows)
         print(f"wrote {len(rows)} rows to {args.out}")
 
 

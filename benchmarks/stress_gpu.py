@@ -69,6 +69,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.results import write_rows
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LAYOUTS = ("contiguous", "transposed", "strided", "sliced", "expanded")
 # Key-padding patterns of one batch element, with their weights among masked cases.
@@ -565,11 +567,7 @@ def main(argv=None) -> None:
         else:
             run_in_workers(args, record, out_of_time)
     print_summary(tally, time.perf_counter() - start, args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=FAMILY_FIELDS)
-        writer.writeheader()
-        writer.writerows(tally.family_rows())
+    write_rows(args.out, tally.family_rows(), FAMILY_FIELDS)
     print(f"wrote {len(tally.families)} family rows to {args.out}"
           + (f" and {tally.cases} case rows to {args.cases_out}" if args.cases_out is not None else ""))
 
