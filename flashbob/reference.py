@@ -47,13 +47,12 @@ def attention(
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     scores = scale * q @ k.transpose(-1, -2)
     keep = visible(q.shape[0], q.shape[2], k.shape[2], causal=causal, key_mask=key_mask, device=q.device)
-    if keep is None:
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if key_mask is None:  # no row is empty: a causal query sees key 0
         return torch.softmax(scores, dim=-1) @ v
-    if key_mask is None:  # causal alone: every query sees key 0, no row is empty
-        return torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v
     any_key = keep.any(-1, keepdim=True)
-    scores = scores.masked_fill(~keep, float("-inf")).masked_fill(~any_key, 0.0)
-    return (torch.softmax(scores, dim=-1) * any_key) @ v
+    return (torch.softmax(scores.masked_fill(~any_key, 0.0), dim=-1) * any_key) @ v
 
 
 def visible(batch, n, m, *, causal=False, key_mask=None, device=None) -> torch.Tensor | None:
