@@ -91,6 +91,13 @@ def check(cfg: DictConfig, choices: dict[str, tuple], positive: Iterable[str] = 
             raise ConfigError(f"{key} must be >= 0, got {OmegaConf.select(cfg, key)}")
 
 
+def check_head_dim(model: DictConfig) -> None:
+    """``model.d_model`` must be ``model.n_heads`` times an even head_dim (rotary embeddings turn channel pairs)."""
+    if model.d_model % model.n_heads or (model.d_model // model.n_heads) % 2:
+        raise ConfigError(f"model.d_model ({model.d_model}) must be model.n_heads ({model.n_heads}) times an even "
+                          "head_dim")
+
+
 def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype | None]:
     """The device (``auto``: CUDA if available) and the autocast dtype (``None``: no autocast;
     ``auto``: bfloat16 on CUDA, none elsewhere)."""

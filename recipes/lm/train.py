@@ -129,8 +129,7 @@ def validate(cfg: DictConfig) -> None:
     """Raise :class:`ConfigError` for values the schema's types allow but the recipe cannot run."""
     configs.check(cfg, CHOICES, POSITIVE, NON_NEGATIVE)
     m = cfg.model
-    if m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2:
-        raise ConfigError(f"model.d_model ({m.d_model}) must be model.n_heads ({m.n_heads}) times an even head_dim")
+    configs.check_head_dim(m)
     if m.n_kv_heads is not None and (m.n_kv_heads <= 0 or m.n_heads % m.n_kv_heads):
         raise ConfigError(
             f"model.n_heads ({m.n_heads}) must be a positive multiple of model.n_kv_heads ({m.n_kv_heads})"

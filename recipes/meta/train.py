@@ -117,9 +117,7 @@ NON_NEGATIVE = ("optimizer.grad_clip", "optimizer.weight_decay")
 def validate(cfg: DictConfig) -> None:
     """Raise :class:`ConfigError` for values the schema's types allow but the recipe cannot run."""
     configs.check(cfg, CHOICES, POSITIVE, NON_NEGATIVE)
-    m = cfg.model
-    if m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2:
-        raise ConfigError(f"model.d_model ({m.d_model}) must be model.n_heads ({m.n_heads}) times an even head_dim")
+    configs.check_head_dim(cfg.model)
     if not 0 <= cfg.task.noise <= 1:
         raise ConfigError(f"task.noise must be in [0, 1], got {cfg.task.noise}")
     if cfg.task.family == "motif" and cfg.task.motif_length > cfg.task.seq_len:

@@ -35,6 +35,7 @@ from recipes.common.config import ConfigError
 from recipes.common.transformer import ATTENTION, BACKENDS, Transformer
 from recipes.lm import checkpoint, data
 from recipes.lm.logger import RunLogger
+from recipes.lm.optimizers import warmup_cosine
 from recipes.ttt import ttt
 
 
@@ -119,8 +120,7 @@ def validate(cfg: DictConfig) -> None:
     """Raise :class:`ConfigError` for values the schema's types allow but the recipe cannot run."""
     configs.check(cfg, CHOICES, POSITIVE, NON_NEGATIVE)
     m = cfg.model
-    if m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2:
-        raise ConfigError(f"model.d_model ({m.d_model}) must be model.n_heads ({m.n_heads}) times an even head_dim")
+    configs.check_head_dim(m)
     if cfg.ttt.layers > m.n_layers:
         raise ConfigError(f"ttt.layers ({cfg.ttt.layers}) must be <= model.n_layers ({m.n_layers})")
     if not 0 < cfg.data.val_fraction < 1:
@@ -143,16 +143,6 @@ def build_model(cfg: DictConfig) -> ttt.TTTModel:
                      backend=m.backend)
     names = ttt.fast_weight_names(lm, cfg.ttt.layers, cfg.ttt.weights)
     return ttt.TTTModel(lm, names, cfg.ttt.inner_lr, cfg.ttt.learn_lr)
-
-
-def schedule(warmup: int, total: int):
-    """Linear warm-up over ``warmup`` steps, then cosine decay to 10% at step ``total``."""
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
-    return factor
 
 
 def evaluate(model: ttt.TTTModel, batches: data.Batches, n: int, cfg: DictConfig, device: torch.device,
@@ -195,7 +185,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     model = build_model(cfg).to(device)
     o = cfg.optimizer
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr, weight_decay=o.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, schedule(o.warmup_steps, cfg.train.steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(o.warmup_steps, cfg.train.steps, min_ratio=0.1))
 
     step = 0
     source = configs.resume_path(cfg.train.resume, run_dir)
