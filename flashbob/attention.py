@@ -110,7 +110,12 @@ def check_options(causal: bool, scale: float | None) -> None:
         return
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number or None, got {type(scale).__name__} {scale!r:.40}")
-    if not math.isfinite(scale):
+    try:
+        finite = math.isfinite(scale)
+    except OverflowError:  # an int (or Fraction) beyond float's range, e.g. 10**400
+        too_large = f"a value too large for a float ({type(scale).__name__})"
+        raise ValueError(f"scale must be a finite number, got {too_large}") from None
+    if not finite:
         raise ValueError(f"scale must be a finite number, got {scale}")
 
 

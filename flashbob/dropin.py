@@ -17,6 +17,16 @@ materialising attention built from PyTorch ops, twice differentiable through aut
 once per reason (:class:`FallbackWarning`). In strict mode (:func:`set_strict`, or the environment
 variable ``FLASHBOB_STRICT=1``) the fallback raises :class:`FallbackError` instead.
 
+A float mask is only read as a key-padding mask when its values may be read and it carries no
+derivative: a mask that requires grad (a learnable bias, even one initialised to zeros), one inside a
+``torch.func`` transform (``vmap``, ``grad``, ``jvp``), one with a forward-mode tangent, and one on the
+meta device all take the exact fallback, which gives the mask its exact first and second derivatives.
+
+Every argument is checked first, as SDPA checks it, and only then is a path chosen (so a
+:class:`FallbackWarning` never precedes an error): ``attn_mask`` must be bool (True = attend) or a float
+mask of the query's dtype or float32 (SDPA's rule; an integer 0/1 padding mask raises a TypeError that
+says to pass ``attn_mask.bool()``), ``dropout_p`` a number in ``[0, 1]``, ``scale`` a finite number.
+
 As in torch 2.13, ``is_causal=True`` together with ``attn_mask`` attends where both allow.
 Inputs are ``(..., L, E)`` as in SDPA: 4-d ``(batch, heads, L, E)`` is used as is, 3-d
 ``(batch, L, E)`` is treated as one head per batch element, 2-d ``(L, E)`` as one of each, and
@@ -31,14 +41,16 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import os
 import warnings
+from typing import get_args
 
 import torch
 import torch.nn.functional as F
 from einops import pack, unpack
 
-from flashbob.attention import attention
+from flashbob.attention import SUPPORTED_DTYPES, BackendName, attention, check_options
 
 __all__ = ["sdpa", "patch_sdpa", "set_strict", "is_strict", "FallbackWarning", "FallbackError"]
 
@@ -70,22 +82,32 @@ def is_strict() -> bool:
 
 
 def _fallback(reason: str) -> None:
-    message = (
-        f"flashbob.sdpa: {reason}; using the exact but materialising (O(L*S) memory) fallback attention. "
-        "Call flashbob.set_strict(True) or set FLASHBOB_STRICT=1 to raise instead."
-    )
+    """Warn (once per reason) that the call takes the exact fallback, or raise in strict mode.
+
+    ``reason`` names what the kernels do not handle, as a noun phrase ("dropout (dropout_p > 0)").
+    """
+    what = f"flashbob.sdpa: the flashbob kernels do not handle {reason}"
     if is_strict():
-        raise FallbackError(message.split("; using")[0] + " is not supported by the flashbob kernels (strict mode)")
+        raise FallbackError(
+            f"{what}, and strict mode forbids the exact but materialising (O(L*S) memory) fallback attention; "
+            "call flashbob.set_strict(False) to allow it."
+        )
     if reason not in _warned:
         _warned.add(reason)
-        warnings.warn(message, FallbackWarning, stacklevel=3)
+        warnings.warn(
+            f"{what}; using the exact but materialising (O(L*S) memory) fallback attention. "
+            "Call flashbob.set_strict(True) or set FLASHBOB_STRICT=1 to raise instead.",
+            FallbackWarning,
+            stacklevel=3,
+        )
 
 
 def naive_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """SDPA's math, materialised, differentiable any number of times through autograd.
 
     Boolean masks: True = attend; rows that attend to nothing give zero output (and gradients).
-    Float masks are added to the scores. GQA repeats the kv heads (dimension -3).
+    Float masks are added to the scores (in the scores' dtype, as SDPA). GQA repeats the kv heads
+    (dimension -3).
     """
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     if enable_gqa and key.shape[-3] != query.shape[-3]:
@@ -99,7 +121,7 @@ def naive_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
         if attn_mask.dtype == torch.bool:
             keep = attn_mask if keep is None else keep & attn_mask
         else:
-            scores = scores + attn_mask
+            scores = (scores + attn_mask).to(scores.dtype)
     if keep is None:
         weights = torch.softmax(scores, dim=-1)
     else:
@@ -110,6 +132,133 @@ def naive_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     if dropout_p > 0:
         weights = F.dropout(weights, p=dropout_p)
     return weights @ value
+
+
+def _check_tensors(query, key, value, enable_gqa) -> None:
+    """Raise for query/key/value that SDPA rejects; the message names the argument."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 2:
+            raise ValueError(f"{name} must have at least 2 dimensions (..., L, E), got shape {tuple(x.shape)}")
+    if query.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"query must be float16, bfloat16, float32 or float64, got {query.dtype}")
+    for name, x in (("key", key), ("value", value)):
+        if x.dtype != query.dtype:
+            raise TypeError(f"{name}.dtype ({x.dtype}) must match query.dtype ({query.dtype})")
+        if x.device != query.device:
+            raise ValueError(f"{name} is on {x.device} but query is on {query.device}")
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(f"key has head_dim {key.shape[-1]} but query has {query.shape[-1]}")
+    if value.shape[:-1] != key.shape[:-1]:
+        raise ValueError(
+            f"value must have key's shape {tuple(key.shape[:-1])} in all but the last dimension, "
+            f"got {tuple(value.shape)}"
+        )
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
+    heads, kv_heads = (query.shape[-3] if query.dim() > 2 else 1), (key.shape[-3] if key.dim() > 2 else 1)
+    if heads != kv_heads:
+        if not enable_gqa:
+            raise RuntimeError(
+                f"query has {heads} heads but key has {kv_heads}: pass enable_gqa=True for grouped-query attention"
+            )
+        if kv_heads == 0 or heads % kv_heads != 0:
+            raise RuntimeError(f"the number of heads of key and value ({kv_heads}) must divide query's ({heads})")
+
+
+def _scores_shape(query: torch.Tensor, key: torch.Tensor) -> torch.Size:
+    """``(..., heads, L, S)``, the shape of the attention scores (what ``attn_mask`` must broadcast to).
+
+    The kv heads (dimension -3 of ``key``) count as 1: grouped-query attention repeats them.
+    """
+    key_lead = (*key.shape[:-3], 1) if key.dim() > 2 else ()
+    try:
+        lead = torch.broadcast_shapes(query.shape[:-2], key_lead)
+    except RuntimeError:
+        raise ValueError(
+            f"the batch dimensions of query {tuple(query.shape)} and key {tuple(key.shape)} do not broadcast"
+        ) from None
+    return torch.Size((*lead, query.shape[-2], key.shape[-2]))
+
+
+def _check_mask(attn_mask, query: torch.Tensor, shape: torch.Size) -> None:
+    """Raise for an ``attn_mask`` SDPA rejects: not a tensor, a dtype other than bool, float32 or the
+    query's (an integer 0/1 mask would otherwise be added to the scores as a bias), another device,
+    or a shape that does not broadcast to the scores' ``shape``."""
+    if attn_mask is None:
+        return
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+    float_dtypes = tuple(dict.fromkeys((query.dtype, torch.float32)))  # torch 2.13's SDPA accepts these
+    if attn_mask.dtype != torch.bool and attn_mask.dtype not in float_dtypes:
+        raise TypeError(
+            f"attn_mask must be a bool mask (True = attend) or an additive float mask of dtype "
+            f"{' or '.join(map(str, float_dtypes))}, got {attn_mask.dtype}; for a 0/1 padding mask (1 = attend, "
+            "as Hugging Face's attention_mask) pass attn_mask.bool()"
+        )
+    if attn_mask.device != query.device:
+        raise ValueError(f"attn_mask is on {attn_mask.device} but query is on {query.device}")
+    try:
+        fits = torch.broadcast_shapes(attn_mask.shape, shape) == shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"attn_mask of shape {tuple(attn_mask.shape)} must broadcast to the scores' shape (..., L, S) = "
+            f"{tuple(shape)}"
+        )
+
+
+def _check_dropout(dropout_p) -> None:
+    """Raise unless ``dropout_p`` is a number in ``[0, 1]`` (NaN is not)."""
+    if not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a number in [0, 1], got {type(dropout_p).__name__} {dropout_p!r:.40}")
+    if not 0 <= dropout_p <= 1:
+        raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p!r:.40}")
+
+
+def check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend) -> None:
+    """Raise a TypeError/ValueError (RuntimeError for head counts, as SDPA) naming the argument for
+    anything SDPA rejects or :func:`sdpa` would misread. :func:`sdpa` calls it before choosing a path,
+    so that no :class:`FallbackWarning` comes ahead of an error."""
+    _check_tensors(query, key, value, enable_gqa)
+    _check_mask(attn_mask, query, _scores_shape(query, key))
+    _check_dropout(dropout_p)
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    check_options(is_causal, scale)
+    if backend not in get_args(BackendName):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'blocked', got {backend!r}")
+
+
+def _opaque_mask_reason(mask: torch.Tensor) -> str | None:
+    """Why ``mask`` must take the exact fallback whatever its values, or None if they may be read.
+
+    Reading a mask as a key-padding mask turns it into a constant: a mask that carries derivatives
+    would lose them (a learnable bias initialised to zeros looks like "attend everywhere"), and a
+    mask whose values cannot be read cannot be classified.
+    """
+    if torch._C._functorch.is_functorch_wrapped_tensor(mask):
+        return "an attn_mask inside a torch.func transform (its values cannot be read, and it may carry derivatives)"
+    if mask.requires_grad:
+        return "an attn_mask that requires grad (a learnable bias, which needs its exact gradient)"
+    if torch.autograd.forward_ad.unpack_dual(mask).tangent is not None:
+        return "an attn_mask with a forward-mode tangent"
+    if mask.is_meta:
+        return "an attn_mask on the meta device (its values cannot be read)"
+    return None
+
+
+def _fallback_reason(query, key, value, attn_mask, dropout_p) -> str | None:
+    """What sends a (valid) call to the exact fallback before its shapes are brought to 4-d, or None."""
+    if dropout_p > 0:
+        return "dropout (dropout_p > 0)"
+    if value.shape[-1] != query.shape[-1]:
+        return "a value head_dim different from the query's"
+    if 0 in (query.shape[-2], key.shape[-2], query.numel(), key.numel()):
+        return "empty inputs"
+    return None if attn_mask is None else _opaque_mask_reason(attn_mask)
 
 
 def _as_bool_mask(mask: torch.Tensor) -> torch.Tensor | None:
@@ -166,35 +315,17 @@ def sdpa(
 
     Same arguments and result as SDPA (see the module docstring for what runs on the flashbob
     backends and what on the exact fallback); ``backend`` is passed to :func:`flashbob.attention`.
-    """
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() < 2:
-            raise ValueError(f"{name} must have at least 2 dimensions (..., L, E), got shape {tuple(x.shape)}")
-    heads, kv_heads = (query.shape[-3] if query.dim() > 2 else 1), (key.shape[-3] if key.dim() > 2 else 1)
-    if heads != kv_heads:
-        if not enable_gqa:
-            raise RuntimeError(
-                f"query has {heads} heads but key has {kv_heads}: pass enable_gqa=True for grouped-query attention"
-            )
-        if kv_heads == 0 or heads % kv_heads != 0 or value.shape[-3] != kv_heads:
-            raise RuntimeError(f"the number of heads of key and value ({kv_heads}) must divide query's ({heads})")
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
 
+    Raises:
+        TypeError, ValueError: a malformed argument (:func:`check_arguments`), named in the message.
+        RuntimeError: head counts that do not fit (as SDPA).
+        FallbackError: in strict mode, a request that would take the exact fallback.
+    """
+    check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if dropout_p > 0:
-        _fallback("dropout_p > 0")
-        return naive_attention(*args)
-    if value.shape[-1] != query.shape[-1] or query.shape[-1] != key.shape[-1]:
-        _fallback("value head_dim differs from query's")
-        return naive_attention(*args)
-    if 0 in (query.shape[-2], key.shape[-2], query.numel(), key.numel()):
-        _fallback("empty inputs")
-        return naive_attention(*args)
-    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        _fallback(f"dtype {query.dtype}")
+    reason = _fallback_reason(query, key, value, attn_mask, dropout_p)
+    if reason is not None:
+        _fallback(reason)
         return naive_attention(*args)
 
     # (..., L, E) -> (batch, heads, L, E)
@@ -206,8 +337,8 @@ def sdpa(
     else:
         while query.dim() < 4:
             query, key, value = (x.unsqueeze(0) for x in (query, key, value))
-        if query.shape[:-3] != key.shape[:-3] or key.shape[:-2] != value.shape[:-2]:
-            _fallback("batch dimensions of query, key and value differ")
+        if query.shape[:-3] != key.shape[:-3]:
+            _fallback("batch dimensions of query and key that differ (broadcast)")
             return naive_attention(*args)
         q4, unpack_shape = pack([query], "* h l e")
         k4, _ = pack([key], "* h l e")
@@ -222,7 +353,7 @@ def sdpa(
         bool_mask = _as_bool_mask(attn_mask)
         key_mask, mask_is_causal = (None, False) if bool_mask is None else key_mask_of(bool_mask, batch, heads, n, m)
         if key_mask is None:
-            _fallback("attn_mask is not a key-padding (or causal + key-padding) mask")
+            _fallback("an attn_mask that is not a key-padding (or causal & key-padding) mask")
             return naive_attention(*args)
         causal = causal or mask_is_causal
     out = attention(q4, k4, v4, causal=causal, scale=scale, key_mask=key_mask, backend=backend)
