@@ -63,6 +63,15 @@ SPACES = {
                               (32, 64, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)),
     "bob_cols": _space((64, 32, 4, 2), (64, 32, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2),
                        (64, 128, 8, 2), (32, 32, 8, 1), (16, 16, 4, 1)),
+    # forward mode (kernels/jvp.py): untuned guesses, ordered like the row sweeps and columns of BoB
+    "jvp_fwd": _space((128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2), (64, 128, 8, 2),
+                      (32, 64, 4, 2), (32, 32, 4, 1), (16, 16, 4, 1)),
+    "jvp_rows": _space((128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2), (64, 128, 8, 2),
+                       (32, 64, 4, 2), (32, 32, 4, 1), (16, 16, 4, 1)),
+    "jvp_dq": _space((64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2),
+                     (32, 64, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)),
+    "jvp_cols": _space((64, 32, 4, 2), (64, 32, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2),
+                       (64, 128, 8, 2), (32, 32, 8, 1), (16, 16, 4, 1)),
 }
 KERNELS = tuple(SPACES)
 
@@ -79,7 +88,12 @@ _FOOTPRINT = {
     "bob_rows_q_bar": (1, 3, 5, 4),
     "bob_rows_do_bar": (1, 2, 3, 4),
     "bob_cols": (2, 4, 5, 3),
+    "jvp_fwd": (1, 2, 3, 4),
+    "jvp_rows": (1, 2, 3, 4),
+    "jvp_dq": (1, 4, 5, 4),
+    "jvp_cols": (2, 4, 5, 4),
 }
+COLUMN_KERNELS = ("dkdv", "bob_cols", "jvp_cols")  # outer block of keys (block_n), inner of queries
 MAX_REGISTERS_PER_THREAD = 256  # sm_90 has 255 per thread: over this estimate a config cannot fit
 MAX_SHARED_BYTES = 220 * 1024  # sm_90 allows 227 KiB per block
 
@@ -103,7 +117,7 @@ def fits(kernel: str, config: BlockConfig, head_dim: int, dtype: torch.dtype) ->
     """Rough register and shared-memory budget of ``config``: configs that cannot fit are pruned."""
     accumulators, inputs, scores, streamed = _FOOTPRINT[kernel]
     block_d = max(16, triton.next_power_of_2(head_dim))
-    outer, inner = (config.block_n, config.block_m) if kernel in ("dkdv", "bob_cols") else (config.block_m, config.block_n)
+    outer, inner = (config.block_n, config.block_m) if kernel in COLUMN_KERNELS else (config.block_m, config.block_n)
     words = accumulators * outer * block_d + inputs * outer * block_d * dtype.itemsize / 4
     words += scores * config.block_m * config.block_n
     shared = config.num_stages * streamed * inner * block_d * dtype.itemsize

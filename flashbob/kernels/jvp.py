@@ -1,0 +1,535 @@
+r"""Forward mode of attention: the tangent of O, and the tangents of the backward's (dQ, dK, dV).
+
+Per (batch, head), with :math:`S = \tau Q K^\top`, :math:`P = \mathrm{softmax}_\text{row}(S)` from the
+forward's statistics, :math:`dP = dO\, V^\top` and :math:`\Delta_i = dO_i \cdot O_i`:
+
+.. math::
+    \dot S = \tau(\dot Q K^\top + Q \dot K^\top),\quad \dot r_i = \textstyle\sum_j P_{ij} \dot S_{ij},\quad
+    \dot O = (P \circ \dot S) V - \dot r \circ O + P \dot V,\\
+    \dot\Delta_i = d\dot O_i \cdot O_i + dO_i \cdot \dot O_i,\quad
+    d\dot P = d\dot O\, V^\top + dO\, \dot V^\top,\quad
+    d\dot S = P \circ ((\dot S - \dot r) \circ (dP - \Delta) + d\dot P - \dot\Delta),\\
+    d\dot Q = \tau(d\dot S K + dS \dot K),\quad d\dot K = \tau(d\dot S^\top Q + dS^\top \dot Q),\quad
+    d\dot V = (P \circ (\dot S - \dot r))^\top dO + P^\top d\dot O
+
+Schedule (no N x M tensor): :func:`forward_jvp` is one row sweep; :func:`backward_jvp` is a row sweep
+for the row scalars :math:`\dot r, \dot\Delta`, a row sweep for :math:`d\dot Q` and a column sweep for
+:math:`d\dot K, d\dot V`. Absent tangents are compiled out (``HAS_Q_DOT``, ...).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import configs
+from .common import (
+    LOG2E,
+    check_qkv,
+    column_block_masked_end,
+    dot_precision,
+    head_dim_block,
+    head_pointer,
+    key_mask_operand,
+    key_mask_pointer,
+    load_softmax_stats,
+    load_tile,
+    operand,
+    probabilities,
+    probabilities_transposed,
+    row_block_key_ranges,
+    row_statistic,
+    row_vector_pointer,
+    softmax_stats,
+    softmax_stats_pointer,
+    store_tile,
+    strides,
+)
+
+
+@triton.jit
+def _optional_tile(X, rows, n_rows, stride_row, placeholder, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   PRESENT: tl.constexpr):
+    """:func:`~flashbob.kernels.common.load_tile` of a tangent that may be absent; ``placeholder``
+    (never read by the caller) when it is."""
+    if PRESENT:
+        tile = load_tile(X, rows, n_rows, stride_row, HEAD_DIM, BLOCK_D)
+    else:
+        tile = placeholder
+    return tile
+
+
+@triton.jit
+def _tangent_of_product(x, x_dot, y, y_dot, HAS_X_DOT: tl.constexpr, HAS_Y_DOT: tl.constexpr,
+                        PRECISION: tl.constexpr):
+    r"""The tangent :math:`\dot x y^\top + x \dot y^\top` of the tile :math:`x y^\top`; at least one of the
+    two tangents is present (an absent one's term is compiled out)."""
+    if HAS_X_DOT:
+        product = tl.dot(x_dot, tl.trans(y), input_precision=PRECISION)
+        if HAS_Y_DOT:
+            product += tl.dot(x, tl.trans(y_dot), input_precision=PRECISION)
+    else:
+        product = tl.dot(x, tl.trans(y_dot), input_precision=PRECISION)
+    return product
+
+
+# ----------------------------------------------------------------------------- row sweep: O-dot, r-dot, Delta-dot
+
+
+@triton.jit
+def _o_dot_inner(
+    acc, r_dot, r_rounded, q, q_dot, row_max, log_sum, k_base, v_base, k_dot_base, v_dot_base,
+    stride_kn, stride_vn, stride_kdn, stride_vdn, rows, start, end, M, qk_scale, scale, key_mask_base,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr,
+    HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr,
+):
+    r"""Add key blocks ``[start, end)`` to a query block's :math:`\dot r_i \mathrel{+}= \sum_j X_{ij}`
+    and :math:`\mathrm{acc}_i \mathrel{+}= \sum_j \tilde X_{ij} V_j + P_{ij} \dot V_j` with
+    :math:`X = P \circ \dot S`, :math:`\tilde X` its rounding to the input dtype (the matmul operand)
+    and ``r_rounded`` :math:`\mathrel{+}= \sum_j \tilde X_{ij}`.
+
+    The caller subtracts ``r_rounded`` times O: :math:`\sum_j \tilde X_{ij} (V_j - O_i)` cancels exactly
+    where it should (a row with one visible key has :math:`\dot O = \dot V_j`, and its term
+    :math:`\tilde X (V_j - O_i)` is 0 in any dtype), where :math:`\dot r_i O_i` would leave the rounding
+    of :math:`\tilde X`.
+    """
+    for start_n in range(start, end, BLOCK_N):
+        keys = start_n + tl.arange(0, BLOCK_N)
+        k = load_tile(k_base, keys, M, stride_kn, HEAD_DIM, BLOCK_D)
+        p = probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, MASK_CAUSAL, PRECISION, key_mask_base,
+                          HAS_KEY_MASK)
+        if HAS_Q_DOT or HAS_K_DOT:
+            v = load_tile(v_base, keys, M, stride_vn, HEAD_DIM, BLOCK_D)
+            k_dot = _optional_tile(k_dot_base, keys, M, stride_kdn, k, HEAD_DIM, BLOCK_D, HAS_K_DOT)
+            p_s_dot = p * (scale * _tangent_of_product(q, q_dot, k, k_dot, HAS_Q_DOT, HAS_K_DOT, PRECISION))
+            r_dot += tl.sum(p_s_dot, 1)
+            p_s_dot_rounded = p_s_dot.to(v.dtype)
+            r_rounded += tl.sum(p_s_dot_rounded.to(r_dot.dtype), 1)
+            acc += tl.dot(p_s_dot_rounded, v, input_precision=PRECISION)
+        if HAS_V_DOT:
+            v_dot = load_tile(v_dot_base, keys, M, stride_vdn, HEAD_DIM, BLOCK_D)
+            acc += tl.dot(p.to(v_dot.dtype), v_dot, input_precision=PRECISION)
+    return acc, r_dot, r_rounded
+
+
+@triton.jit
+def _jvp_rows_kernel(
+    Q, K, V, O, DO, Q_DOT, K_DOT, V_DOT, DO_DOT, STATS, O_DOT, R_DOT, DELTA_DOT,
+    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
+    stride_qdb, stride_qdh, stride_qdn, stride_kdb, stride_kdh, stride_kdn, stride_vdb, stride_vdh, stride_vdn,
+    stride_dodb, stride_dodh, stride_dodn, stride_odb, stride_odh, stride_odn,
+    heads, group, N, M, qk_scale, scale, KEY_MASK,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr,
+    HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, BACKWARD: tl.constexpr,
+):
+    r"""One query block's :math:`\dot O = \mathrm{acc} - \tilde r \circ O` (:func:`_o_dot_inner`); key
+    blocks split as in the forward, the sweep compiled out without :math:`\dot Q, \dot K, \dot V`.
+
+    Forward mode (``BACKWARD`` false) stores :math:`\dot O`; the backward's first sweep stores the row
+    scalars :math:`\dot r` and :math:`\dot\Delta_i = d\dot O_i \cdot O_i + dO_i \cdot \dot O_i` (with the
+    float32 :math:`\dot O`) instead. Rows that see no key have P = 0 and O = 0, so every output is 0.
+    """
+    start_m = tl.program_id(0) * BLOCK_M
+    batch_head = tl.program_id(1)
+    batch, head = batch_head // heads, batch_head % heads
+    kv_head = head // group
+    key_mask_base = key_mask_pointer(KEY_MASK, batch, M)
+
+    rows = start_m + tl.arange(0, BLOCK_M)
+    q = load_tile(head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM, BLOCK_D)
+    q_dot = _optional_tile(head_pointer(Q_DOT, batch, head, stride_qdb, stride_qdh), rows, N, stride_qdn, q,
+                           HEAD_DIM, BLOCK_D, HAS_Q_DOT)
+    acc_dtype = STATS.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
+    r_dot = tl.zeros([BLOCK_M], dtype=acc_dtype)
+    r_rounded = tl.zeros([BLOCK_M], dtype=acc_dtype)
+    if HAS_Q_DOT or HAS_K_DOT or HAS_V_DOT:
+        row_max, log_sum = load_softmax_stats(softmax_stats_pointer(STATS, batch_head, N), rows, N)
+        k_base = head_pointer(K, batch, kv_head, stride_kb, stride_kh)
+        v_base = head_pointer(V, batch, kv_head, stride_vb, stride_vh)
+        k_dot_base = head_pointer(K_DOT, batch, kv_head, stride_kdb, stride_kdh)
+        v_dot_base = head_pointer(V_DOT, batch, kv_head, stride_vdb, stride_vdh)
+        unmasked_end, end = row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
+        acc, r_dot, r_rounded = _o_dot_inner(
+            acc, r_dot, r_rounded, q, q_dot, row_max, log_sum, k_base, v_base, k_dot_base, v_dot_base,
+            stride_kn, stride_vn, stride_kdn, stride_vdn, rows, 0, unmasked_end, M, qk_scale, scale, key_mask_base,
+            HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, HAS_KEY_MASK,
+        )
+        if CAUSAL:
+            acc, r_dot, r_rounded = _o_dot_inner(
+                acc, r_dot, r_rounded, q, q_dot, row_max, log_sum, k_base, v_base, k_dot_base, v_dot_base,
+                stride_kn, stride_vn, stride_kdn, stride_vdn, rows, unmasked_end, end, M, qk_scale, scale,
+                key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION,
+                HAS_KEY_MASK,
+            )
+
+    o = load_tile(head_pointer(O, batch, head, stride_ob, stride_oh), rows, N, stride_on, HEAD_DIM, BLOCK_D)
+    o_dot = acc - r_rounded[:, None] * o.to(acc_dtype)
+    if BACKWARD:
+        delta_dot = tl.zeros([BLOCK_M], dtype=acc_dtype)
+        if HAS_DO_DOT:
+            do_dot = load_tile(head_pointer(DO_DOT, batch, head, stride_dodb, stride_dodh), rows, N, stride_dodn,
+                               HEAD_DIM, BLOCK_D)
+            delta_dot += tl.sum(do_dot.to(acc_dtype) * o.to(acc_dtype), 1)
+        if HAS_Q_DOT or HAS_K_DOT or HAS_V_DOT:
+            do = load_tile(head_pointer(DO, batch, head, stride_dob, stride_doh), rows, N, stride_don, HEAD_DIM,
+                           BLOCK_D)
+            delta_dot += tl.sum(do.to(acc_dtype) * o_dot, 1)
+        tl.store(row_vector_pointer(R_DOT, batch_head, N) + rows, r_dot, mask=rows < N)
+        tl.store(row_vector_pointer(DELTA_DOT, batch_head, N) + rows, delta_dot, mask=rows < N)
+    else:
+        o_dot_base = head_pointer(O_DOT, batch, head, stride_odb, stride_odh)
+        store_tile(o_dot_base, o_dot, rows, N, stride_odn, HEAD_DIM, BLOCK_D)
+
+
+# ----------------------------------------------------------------------------- row sweep: dQ-dot
+
+
+@triton.jit
+def _dq_dot_inner(
+    dq_dot, q, q_dot, do, do_dot, row_max, log_sum, delta, r_dot, delta_dot,
+    k_base, v_base, k_dot_base, v_dot_base, stride_kn, stride_vn, stride_kdn, stride_vdn,
+    rows, start, end, M, qk_scale, scale, key_mask_base,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr,
+    HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr, HAS_DO_DOT: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+):
+    r"""Add key blocks ``[start, end)`` to a query block's
+    :math:`d\dot Q_i / \tau \mathrel{+}= \sum_j d\dot S_{ij} K_j + dS_{ij} \dot K_j` with
+    :math:`d\dot S = P \circ ((\dot S - \dot r) \circ (dP - \Delta) + d\dot P - \dot\Delta)`."""
+    for start_n in range(start, end, BLOCK_N):
+        keys = start_n + tl.arange(0, BLOCK_N)
+        k = load_tile(k_base, keys, M, stride_kn, HEAD_DIM, BLOCK_D)
+        v = load_tile(v_base, keys, M, stride_vn, HEAD_DIM, BLOCK_D)
+        k_dot = _optional_tile(k_dot_base, keys, M, stride_kdn, k, HEAD_DIM, BLOCK_D, HAS_K_DOT)
+        v_dot = _optional_tile(v_dot_base, keys, M, stride_vdn, v, HEAD_DIM, BLOCK_D, HAS_V_DOT)
+        p = probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, MASK_CAUSAL, PRECISION, key_mask_base,
+                          HAS_KEY_MASK)
+        dp_centered = tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None]
+        g = tl.zeros_like(p) - delta_dot[:, None]
+        if HAS_Q_DOT or HAS_K_DOT:
+            s_dot = scale * _tangent_of_product(q, q_dot, k, k_dot, HAS_Q_DOT, HAS_K_DOT, PRECISION)
+            g += (s_dot - r_dot[:, None]) * dp_centered
+        if HAS_DO_DOT or HAS_V_DOT:
+            g += _tangent_of_product(do, do_dot, v, v_dot, HAS_DO_DOT, HAS_V_DOT, PRECISION)
+        dq_dot += tl.dot((p * g).to(k.dtype), k, input_precision=PRECISION)
+        if HAS_K_DOT:
+            dq_dot += tl.dot((p * dp_centered).to(k_dot.dtype), k_dot, input_precision=PRECISION)
+    return dq_dot
+
+
+@triton.jit
+def _dq_dot_kernel(
+    Q, K, V, DO, Q_DOT, K_DOT, V_DOT, DO_DOT, STATS, DELTA, R_DOT, DELTA_DOT, DQ_DOT,
+    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_don,
+    stride_qdb, stride_qdh, stride_qdn, stride_kdb, stride_kdh, stride_kdn, stride_vdb, stride_vdh, stride_vdn,
+    stride_dodb, stride_dodh, stride_dodn, stride_dqdb, stride_dqdh, stride_dqdn,
+    heads, group, N, M, qk_scale, scale, KEY_MASK,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr,
+    HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+):
+    r""":math:`d\dot Q = \tau (d\dot S K + dS \dot K)` of one query block, with :math:`\dot r, \Delta, \dot\Delta`
+    from the first sweep; key blocks split as in the forward."""
+    start_m = tl.program_id(0) * BLOCK_M
+    batch_head = tl.program_id(1)
+    batch, head = batch_head // heads, batch_head % heads
+    kv_head = head // group
+    key_mask_base = key_mask_pointer(KEY_MASK, batch, M)
+
+    rows = start_m + tl.arange(0, BLOCK_M)
+    q = load_tile(head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM, BLOCK_D)
+    do = load_tile(head_pointer(DO, batch, head, stride_dob, stride_doh), rows, N, stride_don, HEAD_DIM, BLOCK_D)
+    q_dot = _optional_tile(head_pointer(Q_DOT, batch, head, stride_qdb, stride_qdh), rows, N, stride_qdn, q,
+                           HEAD_DIM, BLOCK_D, HAS_Q_DOT)
+    do_dot = _optional_tile(head_pointer(DO_DOT, batch, head, stride_dodb, stride_dodh), rows, N, stride_dodn, do,
+                            HEAD_DIM, BLOCK_D, HAS_DO_DOT)
+    row_max, log_sum = load_softmax_stats(softmax_stats_pointer(STATS, batch_head, N), rows, N)
+    delta = tl.load(row_vector_pointer(DELTA, batch_head, N) + rows, mask=rows < N, other=0.0)
+    r_dot = tl.load(row_vector_pointer(R_DOT, batch_head, N) + rows, mask=rows < N, other=0.0)
+    delta_dot = tl.load(row_vector_pointer(DELTA_DOT, batch_head, N) + rows, mask=rows < N, other=0.0)
+    dq_dot = tl.zeros([BLOCK_M, BLOCK_D], dtype=DELTA.dtype.element_ty)
+
+    k_base = head_pointer(K, batch, kv_head, stride_kb, stride_kh)
+    v_base = head_pointer(V, batch, kv_head, stride_vb, stride_vh)
+    k_dot_base = head_pointer(K_DOT, batch, kv_head, stride_kdb, stride_kdh)
+    v_dot_base = head_pointer(V_DOT, batch, kv_head, stride_vdb, stride_vdh)
+    unmasked_end, end = row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
+    dq_dot = _dq_dot_inner(
+        dq_dot, q, q_dot, do, do_dot, row_max, log_sum, delta, r_dot, delta_dot, k_base, v_base, k_dot_base,
+        v_dot_base, stride_kn, stride_vn, stride_kdn, stride_vdn, rows, 0, unmasked_end, M, qk_scale, scale,
+        key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION,
+        HAS_KEY_MASK,
+    )
+    if CAUSAL:
+        dq_dot = _dq_dot_inner(
+            dq_dot, q, q_dot, do, do_dot, row_max, log_sum, delta, r_dot, delta_dot, k_base, v_base, k_dot_base,
+            v_dot_base, stride_kn, stride_vn, stride_kdn, stride_vdn, rows, unmasked_end, end, M, qk_scale, scale,
+            key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION,
+            HAS_KEY_MASK,
+        )
+    dq_dot_base = head_pointer(DQ_DOT, batch, head, stride_dqdb, stride_dqdh)
+    store_tile(dq_dot_base, dq_dot * scale, rows, N, stride_dqdn, HEAD_DIM, BLOCK_D)
+
+
+# ----------------------------------------------------------------------------- column sweep: dK-dot, dV-dot
+
+
+@triton.jit
+def _dk_dot_dv_dot_inner(
+    dk_dot, dv_dot, k, v, k_dot, v_dot, q_base, do_base, q_dot_base, do_dot_base,
+    stats_base, delta_base, r_dot_base, delta_dot_base, stride_qn, stride_don, stride_qdn, stride_dodn,
+    keys, start, end, N, qk_scale, scale, key_mask_base, M,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASK_CAUSAL: tl.constexpr,
+    HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr, HAS_DO_DOT: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+):
+    r"""Add query rows ``[start, end)`` of one query head to a key block's
+
+    .. math::
+        d\dot K_j / \tau \mathrel{+}= \textstyle\sum_i d\dot S_{ij} Q_i + dS_{ij} \dot Q_i,\quad
+        d\dot V_j \mathrel{+}= \sum_i P_{ij} (\dot S_{ij} - \dot r_i)\, dO_i + P_{ij}\, d\dot O_i
+
+    with :math:`\dot r, \Delta, \dot\Delta` from the first sweep; tiles are kept transposed (keys by queries).
+    """
+    for start_m in range(start, end, BLOCK_M):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        q = load_tile(q_base, rows, N, stride_qn, HEAD_DIM, BLOCK_D)
+        do = load_tile(do_base, rows, N, stride_don, HEAD_DIM, BLOCK_D)
+        q_dot = _optional_tile(q_dot_base, rows, N, stride_qdn, q, HEAD_DIM, BLOCK_D, HAS_Q_DOT)
+        do_dot = _optional_tile(do_dot_base, rows, N, stride_dodn, do, HEAD_DIM, BLOCK_D, HAS_DO_DOT)
+        row_max, log_sum = load_softmax_stats(stats_base, rows, N)
+        delta = tl.load(delta_base + rows, mask=rows < N, other=0.0)
+        delta_dot = tl.load(delta_dot_base + rows, mask=rows < N, other=0.0)
+        p_t = probabilities_transposed(
+            k, q, row_max, log_sum, rows, keys, qk_scale, MASK_CAUSAL, PRECISION, key_mask_base, M, HAS_KEY_MASK
+        )
+        dp_centered_t = tl.dot(v, tl.trans(do), input_precision=PRECISION) - delta[None, :]
+        g_t = tl.zeros_like(p_t) - delta_dot[None, :]
+        if HAS_Q_DOT or HAS_K_DOT:
+            r_dot = tl.load(r_dot_base + rows, mask=rows < N, other=0.0)
+            s_dot_t = scale * _tangent_of_product(k, k_dot, q, q_dot, HAS_K_DOT, HAS_Q_DOT, PRECISION)
+            s_dot_centered_t = s_dot_t - r_dot[None, :]
+            g_t += s_dot_centered_t * dp_centered_t
+            dv_dot += tl.dot((p_t * s_dot_centered_t).to(do.dtype), do, input_precision=PRECISION)
+        if HAS_DO_DOT or HAS_V_DOT:
+            g_t += _tangent_of_product(v, v_dot, do, do_dot, HAS_V_DOT, HAS_DO_DOT, PRECISION)
+        dk_dot += tl.dot((p_t * g_t).to(q.dtype), q, input_precision=PRECISION)
+        if HAS_Q_DOT:
+            dk_dot += tl.dot((p_t * dp_centered_t).to(q_dot.dtype), q_dot, input_precision=PRECISION)
+        if HAS_DO_DOT:
+            dv_dot += tl.dot(p_t.to(do_dot.dtype), do_dot, input_precision=PRECISION)
+    return dk_dot, dv_dot
+
+
+@triton.jit
+def _dk_dot_dv_dot_kernel(
+    Q, K, V, DO, Q_DOT, K_DOT, V_DOT, DO_DOT, STATS, DELTA, R_DOT, DELTA_DOT, DK_DOT, DV_DOT,
+    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_don,
+    stride_qdb, stride_qdh, stride_qdn, stride_kdb, stride_kdh, stride_kdn, stride_vdb, stride_vdh, stride_vdn,
+    stride_dodb, stride_dodh, stride_dodn, stride_dkdb, stride_dkdh, stride_dkdn, stride_dvdb, stride_dvdh, stride_dvdn,
+    heads, kv_heads, group, N, M, qk_scale, scale, KEY_MASK,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr,
+    HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+):
+    r""":math:`d\dot K = \tau (d\dot S^\top Q + dS^\top \dot Q)` and
+    :math:`d\dot V = (P \circ (\dot S - \dot r))^\top dO + P^\top d\dot O` of one key block of one kv head,
+    summed over the ``group`` query heads sharing it; the causal split of the query rows is the one of
+    the dK/dV kernel."""
+    start_n = tl.program_id(0) * BLOCK_N
+    batch_kv_head = tl.program_id(1)
+    batch, kv_head = batch_kv_head // kv_heads, batch_kv_head % kv_heads
+    keys = start_n + tl.arange(0, BLOCK_N)
+    key_mask_base = key_mask_pointer(KEY_MASK, batch, M)
+    k = load_tile(head_pointer(K, batch, kv_head, stride_kb, stride_kh), keys, M, stride_kn, HEAD_DIM, BLOCK_D)
+    v = load_tile(head_pointer(V, batch, kv_head, stride_vb, stride_vh), keys, M, stride_vn, HEAD_DIM, BLOCK_D)
+    k_dot = _optional_tile(head_pointer(K_DOT, batch, kv_head, stride_kdb, stride_kdh), keys, M, stride_kdn, k,
+                           HEAD_DIM, BLOCK_D, HAS_K_DOT)
+    v_dot = _optional_tile(head_pointer(V_DOT, batch, kv_head, stride_vdb, stride_vdh), keys, M, stride_vdn, v,
+                           HEAD_DIM, BLOCK_D, HAS_V_DOT)
+    acc_dtype = DELTA.dtype.element_ty
+    dk_dot = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
+    dv_dot = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
+
+    masked_end = column_block_masked_end(start_n, N, BLOCK_M, BLOCK_N, CAUSAL)
+    for member in range(group):
+        head = kv_head * group + member
+        batch_head = batch * heads + head
+        q_base = head_pointer(Q, batch, head, stride_qb, stride_qh)
+        do_base = head_pointer(DO, batch, head, stride_dob, stride_doh)
+        q_dot_base = head_pointer(Q_DOT, batch, head, stride_qdb, stride_qdh)
+        do_dot_base = head_pointer(DO_DOT, batch, head, stride_dodb, stride_dodh)
+        stats_base = softmax_stats_pointer(STATS, batch_head, N)
+        delta_base = row_vector_pointer(DELTA, batch_head, N)
+        r_dot_base = row_vector_pointer(R_DOT, batch_head, N)
+        delta_dot_base = row_vector_pointer(DELTA_DOT, batch_head, N)
+        if CAUSAL:
+            dk_dot, dv_dot = _dk_dot_dv_dot_inner(
+                dk_dot, dv_dot, k, v, k_dot, v_dot, q_base, do_base, q_dot_base, do_dot_base, stats_base, delta_base,
+                r_dot_base, delta_dot_base, stride_qn, stride_don, stride_qdn, stride_dodn, keys, start_n, masked_end,
+                N, qk_scale, scale, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_Q_DOT, HAS_K_DOT,
+                HAS_V_DOT, HAS_DO_DOT, PRECISION, HAS_KEY_MASK,
+            )
+        dk_dot, dv_dot = _dk_dot_dv_dot_inner(
+            dk_dot, dv_dot, k, v, k_dot, v_dot, q_base, do_base, q_dot_base, do_dot_base, stats_base, delta_base,
+            r_dot_base, delta_dot_base, stride_qn, stride_don, stride_qdn, stride_dodn, keys, masked_end, N,
+            N, qk_scale, scale, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_Q_DOT, HAS_K_DOT,
+            HAS_V_DOT, HAS_DO_DOT, PRECISION, HAS_KEY_MASK,
+        )
+
+    dk_dot_base = head_pointer(DK_DOT, batch, kv_head, stride_dkdb, stride_dkdh)
+    store_tile(dk_dot_base, dk_dot * scale, keys, M, stride_dkdn, HEAD_DIM, BLOCK_D)
+    dv_dot_base = head_pointer(DV_DOT, batch, kv_head, stride_dvdb, stride_dvdh)
+    store_tile(dv_dot_base, dv_dot, keys, M, stride_dvdn, HEAD_DIM, BLOCK_D)
+
+
+# ----------------------------------------------------------------------------- host wrappers
+
+
+def _check_shapes(*named: tuple[str, torch.Tensor | None, torch.Tensor]) -> None:
+    """Raise ValueError unless each present ``(name, x, like)`` has the shape of ``like``."""
+    for name, x, like in named:
+        if x is not None and x.shape != like.shape:
+            raise ValueError(f"{name} must have shape {tuple(like.shape)}; got {tuple(x.shape)}")
+
+
+def _tangent_operand(x: torch.Tensor | None, placeholder: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """An absent tangent's kernel argument is ``placeholder`` (never read), a present one's is :func:`operand`."""
+    return placeholder if x is None else operand(x, q)
+
+
+def _constants(q, causal, allow_tf32, has_key_mask, q_dot, k_dot, v_dot, do_dot) -> dict:
+    """The compile-time arguments shared by every sweep."""
+    head_dim = q.shape[-1]
+    return dict(
+        HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), CAUSAL=causal,
+        HAS_Q_DOT=q_dot is not None, HAS_K_DOT=k_dot is not None, HAS_V_DOT=v_dot is not None,
+        HAS_DO_DOT=do_dot is not None, PRECISION=dot_precision(q.dtype, allow_tf32), HAS_KEY_MASK=has_key_mask,
+    )
+
+
+def _launch_rows(kernel, q, k, v, o, do, q_dot, k_dot, v_dot, do_dot, stats, o_dot, r_dot, delta_dot,
+                 scale, key_mask, constants, backward: bool) -> None:
+    """The O-dot row sweep (:func:`_jvp_rows_kernel`) under the config name ``kernel``."""
+    batch, heads, n, head_dim = q.shape
+    configs.launch(
+        kernel, _jvp_rows_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads),
+        q, k, v, o, do, q_dot, k_dot, v_dot, do_dot, stats, o_dot, r_dot, delta_dot,
+        *strides(q), *strides(k), *strides(v), *strides(o), *strides(do),
+        *strides(q_dot), *strides(k_dot), *strides(v_dot), *strides(do_dot), *strides(o_dot),
+        heads, heads // k.shape[1], n, k.shape[2], scale * LOG2E.value, scale, key_mask,
+        head_dim=head_dim, dtype=q.dtype, length=n, **constants, BACKWARD=backward,
+    )
+
+
+def forward_jvp(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, stats: torch.Tensor,
+    q_dot: torch.Tensor | None, k_dot: torch.Tensor | None, v_dot: torch.Tensor | None,
+    *, causal: bool, scale: float, key_mask: torch.Tensor | None = None, allow_tf32: bool = False,
+) -> torch.Tensor:
+    r"""Forward mode of attention: the tangent of :math:`O` along :math:`(\dot Q, \dot K, \dot V)`.
+
+    .. math::
+        \dot S = \tau(\dot Q K^\top + Q \dot K^\top),\quad \dot r_i = \textstyle\sum_j P_{ij} \dot S_{ij},\quad
+        \dot O = (P \circ \dot S) V - \dot r \circ O + P \dot V
+
+    in one row sweep (P from the forward's statistics, no N x M tensor).
+
+    Args:
+        q, k, v, causal, scale, allow_tf32, key_mask: as in :func:`flashbob.kernels.forward`.
+        o, stats: the forward's outputs (constants here).
+        q_dot: ``(B, H, N, d)``; k_dot, v_dot: ``(B, Hkv, M, d)``; each may be None (= zero), which compiles
+            its terms out. When all three are None, zeros are returned without a launch.
+
+    Returns:
+        ``o_dot`` shaped and typed like ``q``; 0 in rows that see no key.
+    """
+    check_qkv(q, k, v)
+    _check_shapes(("o", o, q), ("q_dot", q_dot, q), ("k_dot", k_dot, k), ("v_dot", v_dot, v))
+    if q_dot is None and k_dot is None and v_dot is None:
+        return torch.zeros_like(q)
+    key_mask, has_key_mask = key_mask_operand(key_mask, q, k)
+    q, k, v, o = (operand(x, q) for x in (q, k, v, o))
+    stats = softmax_stats(stats, q)
+    constants = _constants(q, causal, allow_tf32, has_key_mask, q_dot, k_dot, v_dot, None)
+    q_dot, k_dot, v_dot = (_tangent_operand(x, like, q) for x, like in ((q_dot, q), (k_dot, k), (v_dot, k)))
+    o_dot = torch.empty_like(q)
+    # the backward's operands (dO, dO-dot, r-dot, Delta-dot) are placeholders here, never read
+    _launch_rows("jvp_fwd", q, k, v, o, q, q_dot, k_dot, v_dot, q, stats, o_dot, stats, stats, scale, key_mask,
+                 constants, backward=False)
+    return o_dot
+
+
+def backward_jvp(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, o: torch.Tensor, stats: torch.Tensor,
+    delta: torch.Tensor, q_dot: torch.Tensor | None, k_dot: torch.Tensor | None, v_dot: torch.Tensor | None,
+    do_dot: torch.Tensor | None, *, causal: bool, scale: float, key_mask: torch.Tensor | None = None,
+    allow_tf32: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""Forward mode of the backward: the tangents of :math:`(dQ, dK, dV)` along :math:`(\dot Q, \dot K, \dot V, d\dot O)`.
+
+    .. math::
+        \dot\Delta_i = d\dot O_i \cdot O_i + dO_i \cdot \dot O_i,\quad
+        d\dot S = P \circ ((\dot S - \dot r) \circ (dP - \Delta) + d\dot O V^\top + dO \dot V^\top - \dot\Delta),\\
+        d\dot Q = \tau(d\dot S K + dS \dot K),\quad d\dot K = \tau(d\dot S^\top Q + dS^\top \dot Q),\quad
+        d\dot V = (P \circ (\dot S - \dot r))^\top dO + P^\top d\dot O
+
+    in three sweeps: rows (:math:`\dot r, \dot\Delta`, through :math:`\dot O` as in :func:`forward_jvp`),
+    rows (:math:`d\dot Q`), columns (:math:`d\dot K, d\dot V`). O, the statistics and Δ are constants: the
+    formulas contain every path through them (O-dot is recomputed here).
+
+    Args:
+        q, k, v, causal, scale, allow_tf32, key_mask: as in :func:`flashbob.kernels.forward`.
+        do: the cotangent the backward was run with; o, stats: forward outputs; delta: from the backward.
+        q_dot, do_dot: ``(B, H, N, d)``; k_dot, v_dot: ``(B, Hkv, M, d)``; each may be None (= zero), which
+            compiles its terms out. When all four are None, zeros are returned without a launch.
+
+    Returns:
+        ``(dq_dot, dk_dot, dv_dot)`` shaped and typed like ``q, k, v`` (``dk_dot``, ``dv_dot`` summed over
+        the query heads of each kv group); 0 from rows that see no key.
+    """
+    check_qkv(q, k, v)
+    _check_shapes(("do", do, q), ("o", o, q), ("q_dot", q_dot, q), ("k_dot", k_dot, k), ("v_dot", v_dot, v),
+                  ("do_dot", do_dot, q))
+    if q_dot is None and k_dot is None and v_dot is None and do_dot is None:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    key_mask, has_key_mask = key_mask_operand(key_mask, q, k)
+    q, k, v, do, o = (operand(x, q) for x in (q, k, v, do, o))
+    batch, heads, n, head_dim = q.shape
+    kv_heads, m = k.shape[1], k.shape[2]
+    stats, delta = softmax_stats(stats, q), row_statistic(delta, q)
+    constants = _constants(q, causal, allow_tf32, has_key_mask, q_dot, k_dot, v_dot, do_dot)
+    q_dot, k_dot, v_dot, do_dot = (
+        _tangent_operand(x, like, q) for x, like in ((q_dot, q), (k_dot, k), (v_dot, k), (do_dot, q))
+    )
+    r_dot, delta_dot = torch.empty_like(delta), torch.empty_like(delta)
+    dq_dot, dk_dot, dv_dot = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    qk_scale = scale * LOG2E.value
+
+    # o-dot is a placeholder here: the sweep keeps O-dot in registers and stores r-dot and Delta-dot
+    _launch_rows("jvp_rows", q, k, v, o, do, q_dot, k_dot, v_dot, do_dot, stats, q, r_dot, delta_dot, scale,
+                 key_mask, constants, backward=True)
+    tangents = (q_dot, k_dot, v_dot, do_dot)
+    tangent_strides = tuple(s for x in tangents for s in strides(x))
+    configs.launch(
+        "jvp_dq", _dq_dot_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads),
+        q, k, v, do, *tangents, stats, delta, r_dot, delta_dot, dq_dot,
+        *strides(q), *strides(k), *strides(v), *strides(do), *tangent_strides, *strides(dq_dot),
+        heads, heads // kv_heads, n, m, qk_scale, scale, key_mask,
+        head_dim=head_dim, dtype=q.dtype, length=n, **constants,
+    )
+    configs.launch(
+        "jvp_cols", _dk_dot_dv_dot_kernel, lambda meta: (triton.cdiv(m, meta["BLOCK_N"]), batch * kv_heads),
+        q, k, v, do, *tangents, stats, delta, r_dot, delta_dot, dk_dot, dv_dot,
+        *strides(q), *strides(k), *strides(v), *strides(do), *tangent_strides, *strides(dk_dot), *strides(dv_dot),
+        heads, kv_heads, heads // kv_heads, n, m, qk_scale, scale, key_mask,
+        head_dim=head_dim, dtype=q.dtype, length=m, **constants,
+    )
+    return dq_dot, dk_dot, dv_dot
