@@ -1,17 +1,118 @@
-"""Closure evaluation, gradients and non-finite guards shared by the second-order optimizers."""
+"""What the second-order optimizers share: hyperparameter checks, closure evaluation, gradients and
+the guards against non-finite values and inputs they cannot handle (frozen models, sparse gradients)."""
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
-from optim.curvature import CrossEntropyHessian, LossHessian, MSEHessian
+from optim import distributed as _dist
+from optim.curvature import (
+    CrossEntropyHessian,
+    CurvatureOperator,
+    LossHessian,
+    MSEHessian,
+    _vjp,
+)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The values a hyperparameter may take: a finite number (an integer if ``integer``) in an interval.
+
+    With ``size`` the hyperparameter is a sequence of that many such numbers (``betas``).
+    """
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    integer: bool = False
+    size: int | None = None
+
+    def allows(self, value: Any) -> bool:
+        """Whether ``value`` (a number or a one-element tensor) satisfies the rule."""
+        if not isinstance(value, (numbers.Real, Tensor)) or (isinstance(value, Tensor) and value.numel() != 1):
+            return False
+        if self.integer:
+            try:
+                operator.index(value)
+            except TypeError:
+                return False
+        x = float(value)
+        above = x > self.low if self.low_open else x >= self.low
+        below = x < self.high if self.high_open else x <= self.high
+        return math.isfinite(x) and above and below
+
+    def __str__(self) -> str:
+        kind = "an integer" if self.integer else "a finite number"
+        if self.high == math.inf:
+            return f"{kind} {'>' if self.low_open else '>='} {self.low:g}"
+        left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+        return f"{kind} in {left}{self.low:g}, {self.high:g}{right}"
+
+
+NON_NEGATIVE = Rule(0.0)
+POSITIVE = Rule(0.0, low_open=True)
+UNIT_INTERVAL = Rule(0.0, 1.0)
+DECAY = Rule(0.0, 1.0, high_open=True)  # an EMA coefficient, [0, 1)
+BETAS = Rule(0.0, 1.0, high_open=True, size=2)
+COUNT = Rule(1, integer=True)
+
+
+def check_hyperparameters(owner: str, values: Mapping[str, Any], rules: Mapping[str, Rule]) -> None:
+    """Check every hyperparameter in ``values`` that ``rules`` names.
+
+    Raises:
+        ValueError: A value breaks its rule (NaN and infinities always do); the message names it.
+    """
+    for name, rule in rules.items():
+        if name not in values:
+            continue
+        value = values[name]
+        if rule.size is None:
+            entries = [(name, value)]
+        elif isinstance(value, (tuple, list)) and len(value) == rule.size:
+            entries = [(f"{name}[{i}]", v) for i, v in enumerate(value)]
+        else:
+            raise ValueError(f"{owner}: invalid {name}: {value!r}; expected {rule.size} numbers, each {rule}")
+        for label, v in entries:
+            if not rule.allows(v):
+                raise ValueError(f"{owner}: invalid {label}: {v!r}; expected {rule}")
+
+
+class SecondOrderOptimizer(Optimizer):
+    """A ``torch.optim.Optimizer`` whose hyperparameters are checked against :attr:`_rules`: the
+    defaults in the constructor and each group's own values in :meth:`add_param_group`."""
+
+    _owner = "Optimizer"  # the name that errors and warnings start with
+    _rules: ClassVar[Mapping[str, Rule]] = {}
+
+    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+        check_hyperparameters(self._owner, defaults, self._rules)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Check the group's hyperparameters (its own and the defaults it takes), then add it."""
+        if isinstance(param_group, dict):
+            check_hyperparameters(self._owner, {**self.defaults, **param_group}, self._rules)
+        super().add_param_group(param_group)
+
+    def _trainable(self) -> tuple[list[Tensor], list[dict[str, Any]]]:
+        """The parameters that require grad, and the group of each."""
+        pairs = [(p, group) for group in self.param_groups for p in group["params"] if p.requires_grad]
+        return [p for p, _ in pairs], [group for _, group in pairs]
+
 
 Closure = Callable[[], Any]
 CLOSURE_CONTRACT = (
@@ -95,13 +196,86 @@ def all_finite(*groups: Iterable[Tensor]) -> bool:
     return bool(torch.stack(flags).all()) if flags else True
 
 
-def warn_skipped(owner: str, cause: str) -> None:
-    """Warn that a step was skipped because ``cause`` (e.g. 'loss') was not finite."""
+def warn_skipped(owner: str, cause: str, unchanged: str = "the parameters and optimizer state") -> None:
+    """Warn that a step was skipped because ``cause`` (e.g. 'loss') was not finite, leaving ``unchanged`` as it was."""
     warnings.warn(
-        f"{owner}: non-finite {cause}; the step was skipped and the parameters and optimizer state left unchanged",
+        f"{owner}: non-finite {cause}; the step was skipped and {unchanged} left unchanged",
         RuntimeWarning,
         stacklevel=3,
     )
+
+
+Item = TypeVar("Item")
+
+
+def apply_if_finite(
+    owner: str,
+    items: Sequence[Item],
+    propose: Callable[[Item], Sequence[Tensor]],
+    commit: Callable[[Item, Sequence[Tensor]], None],
+) -> bool:
+    """Apply an update only if every value it would write (parameters and state) is finite.
+
+    ``propose(item)`` computes one item's new values out of place and ``commit(item, values)``
+    writes them. ``propose`` runs twice per item, once to check and once to write, so that one
+    item's new values are alive at a time rather than a second copy of the model and its state.
+    A non-finite value anywhere skips the whole update with a warning (:func:`warn_skipped`).
+
+    Returns:
+        Whether the update was applied.
+    """
+    if not all_finite(value for item in items for value in propose(item)):
+        warn_skipped(owner, "update (a new parameter or state value)")
+        return False
+    for item in items:
+        commit(item, propose(item))
+    return True
+
+
+def check_dense(owner: str, grads: Iterable[Tensor]) -> None:
+    """Raise ``RuntimeError`` if a gradient is sparse (e.g. from ``nn.Embedding(sparse=True)``)."""
+    if any(g.layout != torch.strided for g in grads):
+        raise RuntimeError(
+            f"{owner} does not support sparse gradients (from nn.Embedding(sparse=True) or "
+            "nn.EmbeddingBag(sparse=True)); build those modules with sparse=False"
+        )
+
+
+def loss_without_update(closure: Closure | None, owner: str, group: _dist.Group) -> Tensor | None:
+    """The closure's loss (rank average) for a step with nothing to update, ``None`` without a closure.
+
+    With every parameter frozen, or none holding a gradient, a step changes nothing and returns
+    what the closure returns, as ``torch.optim`` optimizers do; the closure runs without a graph.
+    """
+    if closure is None:
+        return None
+    return _dist.average_loss(evaluate(closure, owner, graph=False).loss, group)
+
+
+class GradientGraphHessian(CurvatureOperator):
+    r"""The Hessian through gradients that carry their graph, as ``p.grad`` does after
+    ``loss.backward(create_graph=True)``: :math:`H v = \nabla_\theta (g^\top v)`, the graph retained.
+
+    It gives the same products as :class:`~optim.curvature.HessianOperator` on the loss itself.
+
+    Args:
+        grads: :math:`g = \nabla_\theta L`, one tensor per parameter; those without a graph are
+            constants (zero rows of :math:`H`).
+        params: The parameters :math:`\theta`.
+    """
+
+    def __init__(self, grads: Sequence[Tensor], params: Sequence[Tensor]) -> None:
+        super().__init__(params)
+        self._grads = tuple(grads)
+
+    @property
+    def gradient(self) -> tuple[Tensor, ...]:
+        r""":math:`\nabla_\theta L`, detached."""
+        return tuple(g.detach() for g in self._grads)
+
+    def matvec(self, vec: Sequence[Tensor]) -> tuple[Tensor, ...]:
+        """Return :math:`H v`, one tensor per parameter."""
+        return _vjp(self._grads, self.params, vec, retain_graph=True)
 
 
 def store_grads(params: Sequence[Tensor], grads: Sequence[Tensor]) -> None:

@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
-from torch.optim import Optimizer
 
 from optim import _closure
 from optim import distributed as _dist
-from optim.curvature import (
-    Distribution,
-    HessianOperator,
-    _probe,
-    _vjp,
-    hutchinson_diagonal,
-)
+from optim.curvature import Distribution, HessianOperator, hutchinson_diagonal
 
 
-class AdaHessian(Optimizer):
+class AdaHessian(_closure.SecondOrderOptimizer):
     r"""AdaHessian: a Hutchinson estimate of the Hessian diagonal every step, in place of Adam's squared gradient.
 
     For step :math:`t` with gradient :math:`g_t` (negated with ``maximize``) and a fresh probe
@@ -37,6 +30,13 @@ class AdaHessian(Optimizer):
     :attr:`stats` holds ``loss``, ``hessian_trace`` (:math:`\sum D_t`, a Hutchinson trace estimate)
     and ``step_skipped``.
 
+    A step is skipped with a ``RuntimeWarning`` (parameters and state unchanged,
+    ``step_skipped = 1``) when the loss, :math:`g_t` or :math:`D_t` is not finite, or when the
+    update would write a non-finite parameter or state value; the constructor and
+    ``add_param_group`` reject non-finite hyperparameters. With every parameter frozen, or none
+    holding a gradient, a step changes nothing and returns the closure's loss. Sparse gradients
+    are refused with an error.
+
     Data parallel (``distributed``): each rank's closure returns the mean loss over its equal share
     of the batch, the probe :math:`z_t` is the same on every rank, and the optimizer averages over
     the ranks the loss (a scalar) and, in one all-reduce of :math:`2n` elements, :math:`g_t` and
@@ -50,7 +50,7 @@ class AdaHessian(Optimizer):
     In a loop that calls ``backward`` itself, keep the gradient's graph::
 
         loss_fn(model(x), y).backward(create_graph=True)
-        opt.step()      # takes H z through p.grad, then detaches p.grad
+        opt.step()      # takes H z through p.grad (the closure's estimate, probe for probe), then detaches p.grad
 
     Args:
         params: Parameters or parameter groups.
@@ -68,6 +68,12 @@ class AdaHessian(Optimizer):
             ranks as above. ``False``: one process.
     """
 
+    _owner = "AdaHessian"
+    _rules: ClassVar[dict[str, _closure.Rule]] = {
+        "lr": _closure.NON_NEGATIVE, "betas": _closure.BETAS, "eps": _closure.POSITIVE,
+        "weight_decay": _closure.NON_NEGATIVE, "hessian_power": _closure.UNIT_INTERVAL,
+    }  # fmt: skip
+
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -83,27 +89,17 @@ class AdaHessian(Optimizer):
         generator: torch.Generator | None = None,
         distributed: _dist.Distributed = False,
     ) -> None:
-        if lr < 0 or eps <= 0 or weight_decay < 0 or not 0 <= hessian_power <= 1:
-            raise ValueError("need lr >= 0, eps > 0, weight_decay >= 0 and 0 <= hessian_power <= 1")
-        if not all(0 <= beta < 1 for beta in betas):
-            raise ValueError(f"need 0 <= betas < 1, got {betas}")
+        betas = tuple(betas) if isinstance(betas, list) else betas  # a wrong kind is reported by the checks
         defaults = dict(
-            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, hessian_power=hessian_power,
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, hessian_power=hessian_power,
             spatial_average=spatial_average, maximize=maximize,
         )  # fmt: skip
         super().__init__(params, defaults)
-        self.group = _dist.resolve(distributed, "AdaHessian")
+        self.group = _dist.resolve(distributed, self._owner)
         if generator is None and self.group is not None:
             generator = _dist.shared_generator(self.param_groups[0]["params"][0].device, self.group)
         self.distribution, self.generator = distribution, generator
         self.stats: dict[str, float] = {}
-
-    def _probe_products(self, grads: tuple[Tensor, ...], params: list[Tensor]) -> tuple[Tensor, ...]:
-        r""":math:`z \circ H z` for one probe :math:`z`, from gradients that carry their graph."""
-        z = _probe(params, self.distribution, self.generator)
-        with _closure.graph_errors("AdaHessian"):
-            hz = _vjp(grads, params, z, retain_graph=False)
-        return tuple(zi * hzi for zi, hzi in zip(z, hz))
 
     @torch.no_grad()
     def step(self, closure: _closure.Closure | None = None) -> Tensor | None:  # type: ignore[override]
@@ -111,64 +107,77 @@ class AdaHessian(Optimizer):
 
         With a closure (forward only, returning the loss or ``(loss, outputs)``) the optimizer
         takes the gradient with ``create_graph=True`` and the Hessian-vector product itself and
-        leaves the detached gradient in ``p.grad``. Without one, every ``p.grad`` (parameters
-        without one are skipped) must come from ``loss.backward(create_graph=True)``.
+        leaves the detached gradient in ``p.grad``. Without one, ``p.grad`` (parameters without
+        one are skipped) must come from ``loss.backward(create_graph=True)``.
         """
         loss = None
         self.stats = dict(loss=float("nan"), hessian_trace=float("nan"), step_skipped=1.0)
-        params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        params, groups = self._trainable()
+        if closure is None:
+            kept = [(p, group) for p, group in zip(params, groups) if p.grad is not None]
+            params, groups = [p for p, _ in kept], [group for _, group in kept]
+        if not params:
+            loss = _closure.loss_without_update(closure, self._owner, self.group)
+            self.stats.update(loss=float("nan") if loss is None else float(loss), step_skipped=0.0)
+            return loss
         if closure is not None:
-            result = _closure.evaluate(closure, "AdaHessian")
+            result = _closure.evaluate(closure, self._owner)
             loss = _dist.average_loss(result.loss.detach(), self.group)
             self.stats["loss"] = float(loss)
             if not _closure.all_finite([loss]):
-                _closure.warn_skipped("AdaHessian", "loss")
+                _closure.warn_skipped(self._owner, "loss")
                 return loss
-            with torch.enable_grad(), _closure.graph_errors("AdaHessian"):
+            with torch.enable_grad(), _closure.graph_errors(self._owner):
                 operator = HessianOperator(result.loss, params)
+                _closure.check_dense(self._owner, operator.gradient)
                 estimate = hutchinson_diagonal(operator, 1, self.distribution, self.generator)
-            grads = operator.gradient
-            del operator, result
+            del result
         else:
-            params = [p for p in params if p.grad is not None]
-            if not all(p.grad.requires_grad for p in params):
+            _closure.check_dense(self._owner, (p.grad for p in params))
+            if not any(p.grad.requires_grad for p in params):
                 raise RuntimeError(
                     "AdaHessian.step() without a closure needs gradients with a graph: call "
                     "loss.backward(create_graph=True), or pass a closure that returns the loss"
                 )
-            with torch.enable_grad():
-                estimate = self._probe_products(tuple(p.grad for p in params), params)
-            grads = tuple(p.grad.detach() for p in params)
+            with torch.enable_grad(), _closure.graph_errors(self._owner):
+                operator = _closure.GradientGraphHessian(tuple(p.grad for p in params), params)
+                estimate = hutchinson_diagonal(operator, 1, self.distribution, self.generator)
+        grads = operator.gradient
+        del operator  # frees the gradient's graph (p.grad is replaced by the detached gradient below)
         averaged = _dist.all_average((*grads, *estimate), self.group)
         grads, estimate = averaged[: len(params)], averaged[len(params) :]
         _closure.store_grads(params, grads)
         if not _closure.all_finite(grads):
-            _closure.warn_skipped("AdaHessian", "gradient")
+            _closure.warn_skipped(self._owner, "gradient")
             return loss
         if not _closure.all_finite(estimate):
-            _closure.warn_skipped("AdaHessian", "curvature (Hessian estimate)")
+            _closure.warn_skipped(self._owner, "curvature (Hessian estimate)")
             return loss
-        self._update(params, grads, estimate)
-        self.stats.update(hessian_trace=float(sum(d.sum() for d in estimate)), step_skipped=0.0)
+        items = list(zip(params, groups, grads, estimate))
+        if _closure.apply_if_finite(self._owner, items, lambda item: self._propose(*item), self._commit):
+            self.stats.update(hessian_trace=float(sum(d.sum() for d in estimate)), step_skipped=0.0)
         return loss
 
-    def _update(self, params: list[Tensor], grads: tuple[Tensor, ...], estimate: tuple[Tensor, ...]) -> None:
-        groups = {p: group for group in self.param_groups for p in group["params"]}
-        for p, g, d in zip(params, grads, estimate):
-            group = groups[p]
-            beta1, beta2 = group["betas"]
-            if group["spatial_average"] and d.dim() == 4:
-                d = d.mean(dim=(2, 3), keepdim=True).expand_as(d)
-            state = self.state[p]
-            if not state:
-                state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_hessian_diag_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] += 1
-            m, v = state["exp_avg"], state["exp_hessian_diag_sq"]
-            m.mul_(beta1).add_(-g if group["maximize"] else g, alpha=1 - beta1)
-            v.mul_(beta2).addcmul_(d, d, value=1 - beta2)
-            bias1, bias2 = 1 - beta1 ** state["step"], 1 - beta2 ** state["step"]
-            denom = (v / bias2).sqrt().pow(group["hessian_power"]).add_(group["eps"])
-            p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.addcdiv_(m, denom, value=-group["lr"] / bias1)
+    def _propose(
+        self, p: Tensor, group: dict[str, Any], g: Tensor, d: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The new parameter, :math:`m` and :math:`v` of one parameter (out of place)."""
+        beta1, beta2 = group["betas"]
+        if group["spatial_average"] and d.dim() == 4:
+            d = d.mean(dim=(2, 3), keepdim=True).expand_as(d)
+        state = self.state[p]
+        zeros = torch.zeros_like(p, memory_format=torch.preserve_format)
+        m, v = state.get("exp_avg", zeros), state.get("exp_hessian_diag_sq", zeros)
+        step = state.get("step", 0) + 1
+        m = torch.add(m * beta1, -g if group["maximize"] else g, alpha=1 - beta1)
+        v = torch.addcmul(v * beta2, d, d, value=1 - beta2)
+        bias1, bias2 = 1 - beta1**step, 1 - beta2**step
+        denom = (v / bias2).sqrt().pow(group["hessian_power"]).add_(group["eps"])
+        new_p = torch.addcdiv(p * (1 - group["lr"] * group["weight_decay"]), m, denom, value=-group["lr"] / bias1)
+        return new_p, m, v
+
+    def _commit(self, item: tuple, new: tuple[Tensor, Tensor, Tensor]) -> None:
+        p, (new_p, m, v) = item[0], new
+        p.copy_(new_p)
+        state = self.state[p]
+        state.update(step=state.get("step", 0) + 1, exp_avg=m, exp_hessian_diag_sq=v)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
-from torch.optim import Optimizer
 
 from optim import _closure
 from optim import distributed as _dist
@@ -33,7 +32,7 @@ ARMIJO_C, ARMIJO_SHRINK, ARMIJO_TRIALS = 1e-2, 0.8, 10  # Martens (2010), sectio
 DAMPING_DOWN, DAMPING_UP = 2 / 3, 3 / 2  # Levenberg-Marquardt factors (Martens, 2010, section 4.1)
 
 
-class NewtonCG(Optimizer):
+class NewtonCG(_closure.SecondOrderOptimizer):
     r"""Hessian-free (truncated Newton / Gauss-Newton) optimisation in the style of Martens (2010).
 
     Each step minimises the local quadratic model of the objective :math:`f` (the loss, or minus
@@ -60,7 +59,10 @@ class NewtonCG(Optimizer):
        :math:`\lambda \leftarrow \tfrac32 \lambda` if :math:`\rho < \tfrac14` and
        :math:`\lambda \leftarrow \tfrac23 \lambda` if :math:`\rho > \tfrac34`.
     5. Armijo line search on :math:`\alpha s`: :math:`\alpha \in \{1, 0.8, 0.8^2, \dots\}` (10 trials),
-       the first with :math:`f(\theta + \alpha s) \le f(\theta) + 10^{-2} \alpha\, g^\top s`; none: no step.
+       the first with :math:`f(\theta + \alpha s) \le f(\theta) + 10^{-2} \alpha\, g^\top s`; none: no step
+       (:math:`\alpha = 0`). If :math:`f` is not finite at any trial point of steps 3-5, the step is
+       skipped with a warning (parameters unchanged, ``step_skipped = 1``) and only the damping
+       adapts (it grows, as :math:`\rho = -\infty`).
     6. Decoupled weight decay: :math:`\theta \leftarrow (1 - \eta\,\text{wd})\,\theta + \alpha s`.
 
     Steps 3-5 evaluate the closure again (forwards only, under ``torch.no_grad()``) at trial points:
@@ -81,8 +83,11 @@ class NewtonCG(Optimizer):
     ``loss``, ``outputs``, ``targets``, ``loss_hessian``); it does not call ``backward``. The optimizer
     sets ``p.grad`` to the gradient of the loss. After each step :attr:`stats` holds ``loss``,
     ``damping`` (used in the step), ``cg_iters``, ``reduction_ratio``, ``step_size`` (:math:`\alpha`),
-    ``negative_curvature`` and ``step_skipped`` (a non-finite loss, gradient or curvature skips
-    the step with a warning and leaves parameters and state unchanged).
+    ``negative_curvature`` and ``step_skipped`` (a non-finite loss, gradient or curvature, or an
+    update that would write a non-finite parameter, skips the step with a warning and leaves
+    parameters and state unchanged). The constructor and ``add_param_group`` reject non-finite
+    or out-of-range hyperparameters. With every parameter frozen a step changes nothing and
+    returns the closure's loss. Sparse gradients are refused with an error.
 
     Example:
         >>> opt = NewtonCG(model.parameters())
@@ -122,6 +127,14 @@ class NewtonCG(Optimizer):
             average over its ranks as above. ``False``: one process.
     """
 
+    _owner = "NewtonCG"
+    _rules: ClassVar[dict[str, _closure.Rule]] = {
+        "lr": _closure.NON_NEGATIVE, "damping": _closure.NON_NEGATIVE, "weight_decay": _closure.NON_NEGATIVE,
+        "max_cg_iters": _closure.COUNT, "cg_tol": _closure.NON_NEGATIVE, "progress_tol": _closure.NON_NEGATIVE,
+        "warm_start_decay": _closure.UNIT_INTERVAL, "precond_exponent": _closure.NON_NEGATIVE,
+        "precond_beta": _closure.DECAY,
+    }  # fmt: skip
+
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -145,14 +158,10 @@ class NewtonCG(Optimizer):
         generator: torch.Generator | None = None,
         distributed: _dist.Distributed = False,
     ) -> None:
-        if lr < 0 or damping < 0 or weight_decay < 0:
-            raise ValueError(f"lr, damping and weight_decay must be >= 0, got {lr}, {damping}, {weight_decay}")
         if curvature not in ("auto", "ggn", "hessian"):
             raise ValueError(f"curvature must be 'auto', 'ggn' or 'hessian', got {curvature!r}")
         if preconditioner not in (None, "hutchinson", "squared_gradients"):
             raise ValueError(f"preconditioner must be None, 'hutchinson' or 'squared_gradients': {preconditioner!r}")
-        if max_cg_iters < 1 or not 0 <= warm_start_decay <= 1 or not 0 <= precond_beta < 1:
-            raise ValueError("need max_cg_iters >= 1, 0 <= warm_start_decay <= 1 and 0 <= precond_beta < 1")
         defaults = dict(
             lr=lr, damping=damping, adapt_damping=adapt_damping, curvature=curvature, max_cg_iters=max_cg_iters,
             cg_tol=cg_tol, progress_tol=progress_tol, warm_start_decay=warm_start_decay, backtrack=backtrack,
@@ -176,17 +185,6 @@ class NewtonCG(Optimizer):
             self.param_groups.pop()
             raise ValueError(f"NewtonCG solves one system for all groups; groups may not differ in {differ}")
 
-    def _params(self) -> tuple[list[Tensor], list[float], list[float]]:
-        """Parameters that require grad, with their group's learning rate and weight decay."""
-        params, lrs, wds = [], [], []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.requires_grad:
-                    params.append(p)
-                    lrs.append(group["lr"])
-                    wds.append(group["weight_decay"])
-        return params, lrs, wds
-
     @torch.no_grad()
     def step(self, closure: _closure.Closure | None = None) -> Tensor:  # type: ignore[override]
         """One Hessian-free step; returns the loss at the parameters before the step.
@@ -194,8 +192,13 @@ class NewtonCG(Optimizer):
         Args:
             closure: Runs the forward and returns the loss, ``(loss, outputs)`` or a dict; required.
         """
-        settings = self.param_groups[0]
-        params, lrs, wds = self._params()
+        settings = self.param_groups[0]  # the settings of the joint solve, alike in every group
+        params, groups = self._trainable()
+        if not params:
+            loss = _closure.loss_without_update(closure, self._owner, self.group)
+            self.stats = dict(loss=float(loss), step_skipped=0.0)
+            return loss
+        lrs, wds = [group["lr"] for group in groups], [group["weight_decay"] for group in groups]
         global_state = self.state[self.param_groups[0]["params"][0]]
         global_state.setdefault("damping", float(settings["damping"]))
         damping = global_state["damping"]
@@ -254,11 +257,28 @@ class NewtonCG(Optimizer):
         operator = None  # free the graph before the parameters move (damped's closure shares this cell)
         del result, damped, precondition
 
-        chosen, new_damping, ratio, alpha = self._search(
+        chosen, new_damping, ratio, alpha, found = self._search(
             settings, closure, params, lrs, g, solve, models, float(loss), sign
         )
-        for p, lr, wd, xi in zip(params, lrs, wds, solve.iterates[chosen].x):
-            p.mul_(1 - lr * wd).add_(xi, alpha=alpha * lr)
+        self.stats.update(
+            cg_iters=float(solve.iterations), reduction_ratio=ratio,
+            negative_curvature=float(solve.status == "negative_curvature"),
+        )  # fmt: skip
+        if not found:
+            unchanged = "the parameters and optimizer state"
+            if new_damping != damping:
+                unchanged += f" (but the damping, now {new_damping:g})"
+                global_state["damping"] = new_damping
+            _closure.warn_skipped("NewtonCG", "loss at every trial point of the search", unchanged)
+            return loss
+
+        def propose(item: tuple[Tensor, float, float, Tensor]) -> tuple[Tensor]:
+            p, lr, wd, xi = item
+            return (torch.add(p * (1 - lr * wd), xi, alpha=alpha * lr),)
+
+        items = list(zip(params, lrs, wds, solve.iterates[chosen].x))
+        if not _closure.apply_if_finite("NewtonCG", items, propose, lambda item, new: item[0].copy_(new[0])):
+            return loss
         for p, xi in zip(params, solve.x):
             self.state[p]["cg_direction"] = xi.clone()
         if diagonal is not None:
@@ -266,10 +286,7 @@ class NewtonCG(Optimizer):
                 self.state[p]["precond_diagonal"] = d
         global_state["damping"] = new_damping
         global_state["step"] = global_state.get("step", 0) + 1
-        self.stats.update(
-            cg_iters=float(solve.iterations), reduction_ratio=ratio, step_size=alpha, step_skipped=0.0,
-            negative_curvature=float(solve.status == "negative_curvature"),
-        )  # fmt: skip
+        self.stats.update(step_size=alpha, step_skipped=0.0)
         return loss
 
     def _curvature(
@@ -277,6 +294,7 @@ class NewtonCG(Optimizer):
     ) -> tuple[CurvatureOperator, tuple[Tensor, ...]]:
         """The curvature operator and the gradient of the loss (rank averages), from one create_graph backward."""
         operator, grads = self._local_curvature(result, params, mode)
+        _closure.check_dense(self._owner, grads)
         if self.group is None:
             return operator, grads
         return _dist.AveragedOperator(operator, self.group), _dist.all_average(grads, self.group)
@@ -314,23 +332,30 @@ class NewtonCG(Optimizer):
         return (lambda r: tuple(ri / si for ri, si in zip(r, scale))), diagonal
 
     def _search(self, settings, closure, params, lrs, g, solve, models, f0, sign):
-        """CG backtracking, damping adaptation and Armijo line search; returns (iterate, damping, rho, alpha).
+        r"""CG backtracking, damping adaptation and Armijo line search.
 
         Trial points are evaluated in place; the parameters are restored exactly before returning.
+
+        Returns:
+            The chosen iterate's index, the new damping, the reduction ratio :math:`\rho`, the step
+            size :math:`\alpha` and whether :math:`f` was finite at some trial point (true when
+            none was needed).
         """
         damping = self.state[self.param_groups[0]["params"][0]]["damping"]
         needs_f = settings["backtrack"] or settings["line_search"] or settings["adapt_damping"]
         chosen = len(solve.iterates) - 1
         if not needs_f:
-            return chosen, damping, math.nan, 1.0
+            return chosen, damping, math.nan, 1.0, True
         origin = [p.clone() for p in params]
+        values: list[float] = []
 
         def f(alpha: float, index: int) -> float:
             for p, p0, lr, xi in zip(params, origin, lrs, solve.iterates[index].x):
                 p.copy_(p0 + (alpha * lr) * xi)
             trial = _closure.evaluate(closure, "NewtonCG", graph=False).loss
             value = sign * float(_dist.average_loss(trial, self.group))
-            return value if math.isfinite(value) else math.inf
+            values.append(value if math.isfinite(value) else math.inf)
+            return values[-1]
 
         best = f(1.0, chosen)
         while settings["backtrack"] and chosen > 0:
@@ -357,4 +382,4 @@ class NewtonCG(Optimizer):
                 value, trials = f(alpha, chosen), trials + 1
         for p, p0 in zip(params, origin):
             p.copy_(p0)
-        return chosen, damping, ratio, alpha
+        return chosen, damping, ratio, alpha, min(values) < math.inf

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.optim import Optimizer
 
 from optim import _closure
 from optim import distributed as _dist
-from optim.curvature import Distribution, HessianOperator, hutchinson_diagonal
+from optim.curvature import (
+    CurvatureOperator,
+    Distribution,
+    HessianOperator,
+    hutchinson_diagonal,
+)
 
 
-class _Sophia(Optimizer):
+class _Sophia(_closure.SecondOrderOptimizer):
     r"""The update shared by :class:`SophiaH` and :class:`SophiaG` (Liu et al., 2023, Algorithm 3).
 
     For step :math:`t = 1, 2, \dots` with gradient :math:`g_t` (negated with ``maximize``):
@@ -38,6 +43,18 @@ class _Sophia(Optimizer):
     of coordinates with :math:`|m / \max(\rho h, \epsilon)| < 1` (the paper's "win rate"), and
     ``clip_fraction`` :math:`= 1 -` that, ``hessian_refreshed``, ``loss`` and ``step_skipped``.
 
+    Every hyperparameter may differ between parameter groups, ``update_period`` included: a
+    group with period :math:`k` refreshes its :math:`h` at the steps :math:`t` with
+    :math:`t \bmod k = 1`. A step on which any group is due computes :math:`\hat h` for all
+    parameters (one estimate, as with a single group) and refreshes the groups that are due.
+
+    A step is skipped with a ``RuntimeWarning`` (parameters and state unchanged,
+    ``step_skipped = 1``) when the loss, the gradient or :math:`\hat h` is not finite, or when
+    the update would write a non-finite parameter or state value (e.g. a learning rate set to
+    NaN by a scheduler; the constructor and ``add_param_group`` reject non-finite
+    hyperparameters). With every parameter frozen, or none holding a gradient, a step changes
+    nothing and returns the closure's loss. Sparse gradients are refused with an error.
+
     Data parallel (``distributed``): each rank's closure returns the mean loss over its equal share
     of the batch; the optimizer averages the loss, the gradient and the fresh estimate
     :math:`\hat h` over the ranks (one all-reduce of :math:`n` elements per step, :math:`2n` on
@@ -47,17 +64,19 @@ class _Sophia(Optimizer):
     """
 
     _owner = "Sophia"
+    _rules: ClassVar[dict[str, _closure.Rule]] = {
+        "lr": _closure.NON_NEGATIVE, "betas": _closure.BETAS, "rho": _closure.NON_NEGATIVE,
+        "weight_decay": _closure.NON_NEGATIVE, "eps": _closure.POSITIVE, "update_period": _closure.COUNT,
+    }  # fmt: skip
     _probes_per_rank = False  # the default generator's draws: alike on every rank, or independent per rank
+    _plain_loop = ""  # how a loop without a closure provides the estimate, for the error on its first step
 
     def __init__(
         self, params, lr, betas, rho, weight_decay, eps, update_period, maximize, generator, distributed
     ) -> None:
-        if lr < 0 or rho < 0 or weight_decay < 0 or eps <= 0:
-            raise ValueError(f"need lr, rho, weight_decay >= 0 and eps > 0, got {lr}, {rho}, {weight_decay}, {eps}")
-        if not all(0 <= beta < 1 for beta in betas) or update_period < 1:
-            raise ValueError(f"need 0 <= betas < 1 and update_period >= 1, got {betas}, {update_period}")
+        betas = tuple(betas) if isinstance(betas, list) else betas  # a wrong kind is reported by the checks
         defaults = dict(
-            lr=lr, betas=tuple(betas), rho=rho, weight_decay=weight_decay, eps=eps, update_period=update_period,
+            lr=lr, betas=betas, rho=rho, weight_decay=weight_decay, eps=eps, update_period=update_period,
             maximize=maximize,
         )  # fmt: skip
         super().__init__(params, defaults)
@@ -67,20 +86,24 @@ class _Sophia(Optimizer):
             generator = _dist.shared_generator(device, self.group, per_rank=self._probes_per_rank)
         self.generator = generator
         self.stats: dict[str, float] = {}
-        self._pending_refresh = False
+        self._refresh_requested = False  # update_hessian was called since the last step
+        self._pending_refresh = False  # ... and refreshed h
 
     def _global(self) -> dict[str, Any]:
         """State shared by all parameters, kept (as in ``torch.optim.LBFGS``) in the first parameter's state."""
         return self.state[self.param_groups[0]["params"][0]]
 
-    def _trainable(self) -> list[Tensor]:
-        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
-
     def _estimate(
-        self, result: _closure.ClosureResult, params: list[Tensor]
+        self, result: _closure.ClosureResult, params: list[Tensor], groups: list[dict[str, Any]]
     ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
         """Gradient and fresh diagonal estimate :math:`\\hat h` from one closure evaluation, averaged over the ranks."""
         raise NotImplementedError
+
+    def _estimate_from_grads(
+        self, params: list[Tensor], groups: list[dict[str, Any]]
+    ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None:
+        """Gradient and :math:`\\hat h` from the graph of ``p.grad``, where the subclass can take one; else ``None``."""
+        return None
 
     @torch.no_grad()
     def step(self, closure: _closure.Closure | None = None) -> Tensor | None:  # type: ignore[override]
@@ -90,13 +113,22 @@ class _Sophia(Optimizer):
         calling backward) the optimizer takes the gradient itself, and every ``update_period``-th
         step (the first included) refreshes :math:`h` from the same forward. Without one it uses
         ``p.grad`` from the caller's ``loss.backward()`` (parameters without a gradient are
-        skipped) and the estimate from the last :meth:`update_hessian`.
+        skipped) and the estimate from the last :meth:`update_hessian` (SophiaH also takes it
+        from the graph of ``p.grad`` after ``loss.backward(create_graph=True)``).
         """
-        count = self._global().get("step", 0)
-        loss, estimate = None, None
-        params = self._trainable()
+        params, groups = self._trainable()
+        if closure is None:
+            kept = [(p, group) for p, group in zip(params, groups) if p.grad is not None]
+            params, groups = [p for p, _ in kept], [group for _, group in kept]
         self.stats = dict(loss=float("nan"), hessian_refreshed=0.0, unclipped_fraction=float("nan"),
                           clip_fraction=float("nan"), step_skipped=1.0)  # fmt: skip
+        if not params:
+            loss = _closure.loss_without_update(closure, self._owner, self.group)
+            self.stats.update(loss=float("nan") if loss is None else float(loss), step_skipped=0.0)
+            return loss
+        count = self._global().get("step", 0)
+        due = [not self._refresh_requested and count % group["update_period"] == 0 for group in groups]
+        loss, estimate = None, None
         if closure is not None:
             result = _closure.evaluate(closure, self._owner)
             loss = _dist.average_loss(result.loss.detach(), self.group)
@@ -104,65 +136,106 @@ class _Sophia(Optimizer):
             if not _closure.all_finite([loss]):
                 _closure.warn_skipped(self._owner, "loss")
                 return loss
-            refresh = count % self.param_groups[0]["update_period"] == 0
             with torch.enable_grad(), _closure.graph_errors(self._owner):
-                if refresh:
-                    grads, estimate = self._estimate(result, params)
+                if any(due):
+                    grads, estimate = self._estimate(result, params, groups)
                 else:
                     grads = tuple(g.detach() for g in _closure.gradients(result.loss, params))
+                    _closure.check_dense(self._owner, grads)
                     grads = _dist.all_average(grads, self.group)
-            _closure.store_grads(params, grads)
         else:
-            params = [p for p in params if p.grad is not None]
-            grads = _dist.all_average(tuple(p.grad for p in params), self.group)
+            grads, estimate = self._grads_without_closure(params, groups, any(due), first=count == 0)
+        _closure.store_grads(params, grads)
         if not _closure.all_finite(grads):
             _closure.warn_skipped(self._owner, "gradient")
             return loss
-        if estimate is not None and not _closure.all_finite(estimate):
+        if estimate is None:
+            estimate = (None,) * len(params)
+        estimate = tuple(e if d else None for e, d in zip(estimate, due))  # the groups that are due
+        if not _closure.all_finite([e for e in estimate if e is not None]):
             _closure.warn_skipped(self._owner, "curvature (Hessian estimate)")
             return loss
-        if estimate is not None:
-            self._refresh(params, estimate)
-        self._update(params, grads)
+        unclipped: list[Tensor] = []
+
+        def commit(item: tuple, new: tuple[Tensor, ...]) -> None:
+            p, group = item[:2]
+            new_p, m, h = new
+            p.copy_(new_p)
+            self.state[p].update(exp_avg=m, hessian=h)
+            unclipped.append((self._ratio(group, m, h).abs() < 1).sum())
+
+        items = list(zip(params, groups, grads, estimate))
+        if not _closure.apply_if_finite(self._owner, items, lambda item: self._propose(*item), commit):
+            return loss
+        fraction = float(torch.stack(unclipped).sum()) / sum(p.numel() for p in params)
         self._global()["step"] = count + 1
-        self.stats["hessian_refreshed"] = float(self._pending_refresh)
-        self.stats["step_skipped"] = 0.0
-        self._pending_refresh = False
+        self.stats.update(
+            hessian_refreshed=float(self._pending_refresh or any(e is not None for e in estimate)),
+            unclipped_fraction=fraction, clip_fraction=1 - fraction, step_skipped=0.0,
+        )  # fmt: skip
+        self._refresh_requested = self._pending_refresh = False
         return loss
 
-    def _state(self, p: Tensor) -> dict[str, Any]:
-        state = self.state[p]
-        if "exp_avg" not in state:
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["hessian"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state
+    def _grads_without_closure(
+        self, params: list[Tensor], groups: list[dict[str, Any]], refresh: bool, first: bool
+    ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...] | None]:
+        """``p.grad`` (rank averages) and, on a refresh step, :math:`\\hat h` from its graph if the subclass can.
 
-    def _groups_of(self, params: list[Tensor]) -> list[dict[str, Any]]:
-        index = {p: group for group in self.param_groups for p in group["params"]}
-        return [index[p] for p in params]
+        Raises:
+            RuntimeError: On the first step nothing provides an estimate, so :math:`h` would stay 0.
+        """
+        _closure.check_dense(self._owner, (p.grad for p in params))
+        if refresh:
+            with torch.enable_grad(), _closure.graph_errors(self._owner):
+                taken = self._estimate_from_grads(params, groups)
+            if taken is not None:
+                return taken
+            if first:
+                raise RuntimeError(
+                    f"{self._owner}.step() without a closure found no Hessian estimate on its first step, so "
+                    f"h would stay 0 and every coordinate be clipped: {self._plain_loop}"
+                )
+        return _dist.all_average(tuple(p.grad.detach() for p in params), self.group), None
 
-    def _refresh(self, params: list[Tensor], estimate: tuple[Tensor, ...]) -> None:
-        r""":math:`h \leftarrow \beta_2 h + (1 - \beta_2) \hat h`."""
-        for p, group, e in zip(params, self._groups_of(params), estimate):
-            beta2 = group["betas"][1]
-            self._state(p)["hessian"].mul_(beta2).add_(e, alpha=1 - beta2)
-        self._pending_refresh = True
+    def _hessian(self, p: Tensor, group: dict[str, Any], estimate: Tensor | None) -> Tensor:
+        r""":math:`h`, or :math:`\beta_2 h + (1 - \beta_2) \hat h` given an estimate :math:`\hat h` (out of place)."""
+        h = self.state[p].get("hessian")
+        h = torch.zeros_like(p, memory_format=torch.preserve_format) if h is None else h
+        if estimate is None:
+            return h
+        beta2 = group["betas"][1]
+        return torch.add(h * beta2, estimate, alpha=1 - beta2)
 
-    def _update(self, params: list[Tensor], grads: tuple[Tensor, ...]) -> None:
-        unclipped, total = [], 0
-        for p, group, g in zip(params, self._groups_of(params), grads):
-            state = self._state(p)
-            beta1 = group["betas"][0]
-            m, h = state["exp_avg"], state["hessian"]
-            m.mul_(beta1).add_(-g if group["maximize"] else g, alpha=1 - beta1)
-            p.mul_(1 - group["lr"] * group["weight_decay"])
-            ratio = m / (group["rho"] * h).clamp(min=group["eps"])
-            unclipped.append((ratio.abs() < 1).sum())
-            total += ratio.numel()
-            p.add_(ratio.clamp(-1, 1), alpha=-group["lr"])
-        if total:
-            fraction = float(torch.stack(unclipped).sum()) / total
-            self.stats.update(unclipped_fraction=fraction, clip_fraction=1 - fraction)
+    @staticmethod
+    def _ratio(group: dict[str, Any], m: Tensor, h: Tensor) -> Tensor:
+        return m / (group["rho"] * h).clamp(min=group["eps"])
+
+    def _propose(
+        self, p: Tensor, group: dict[str, Any], g: Tensor, estimate: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The new parameter, :math:`m` and :math:`h` of one parameter (out of place)."""
+        m = self.state[p].get("exp_avg")
+        m = torch.zeros_like(p, memory_format=torch.preserve_format) if m is None else m
+        beta1 = group["betas"][0]
+        m = torch.add(m * beta1, -g if group["maximize"] else g, alpha=1 - beta1)
+        h = self._hessian(p, group, estimate)
+        step = self._ratio(group, m, h).clamp(-1, 1)
+        return torch.add(p * (1 - group["lr"] * group["weight_decay"]), step, alpha=-group["lr"]), m, h
+
+    def _refresh(self, params: list[Tensor], groups: list[dict[str, Any]], estimate: tuple[Tensor, ...]) -> None:
+        r""":math:`h \leftarrow \beta_2 h + (1 - \beta_2) \hat h` for :meth:`update_hessian`."""
+        self._refresh_requested = True
+        if not _closure.all_finite(estimate):
+            _closure.warn_skipped(self._owner, "curvature (Hessian estimate)")
+            return
+
+        def commit(item: tuple, new: tuple[Tensor]) -> None:
+            self.state[item[0]]["hessian"] = new[0]
+
+        items = list(zip(params, groups, estimate))
+        self._pending_refresh = _closure.apply_if_finite(
+            self._owner, items, lambda item: (self._hessian(*item),), commit
+        )
 
 
 class SophiaH(_Sophia):
@@ -179,13 +252,22 @@ class SophiaH(_Sophia):
         >>> opt = SophiaH(model.parameters(), lr=6e-4)
         >>> loss = opt.step(lambda: F.cross_entropy(model(x).flatten(0, -2), y.flatten()))
 
-    In a loop that calls ``backward`` itself, refresh the estimate first (it keeps the graph)::
+    In a loop that calls ``backward`` itself, either keep the gradient's graph, as other Sophia-H
+    and AdaHessian packages do: on refresh steps :meth:`step` takes :math:`H u` through the graph
+    of ``p.grad`` (the same estimate as the closure's, probe for probe), then detaches ``p.grad``::
+
+        loss_fn(model(x), y).backward(create_graph=True)   # create_graph needed on refresh steps only
+        opt.step()
+
+    or refresh the estimate yourself before ``backward`` (it keeps the graph)::
 
         loss = loss_fn(model(x), y)
         if step % 10 == 0:
             opt.update_hessian(loss)
         loss.backward()
         opt.step()
+
+    A first step that finds neither raises ``RuntimeError`` rather than run with :math:`h = 0`.
 
     Args:
         params: Parameters or parameter groups.
@@ -207,6 +289,10 @@ class SophiaH(_Sophia):
     """
 
     _owner = "SophiaH"
+    _plain_loop = (
+        "call loss.backward(create_graph=True) before opt.step() (the estimate is then taken through p.grad), or "
+        "opt.update_hessian(loss) before loss.backward(), or pass a closure: opt.step(lambda: loss_fn(model(x), y))"
+    )
 
     def __init__(
         self,
@@ -224,22 +310,29 @@ class SophiaH(_Sophia):
         generator: torch.Generator | None = None,
         distributed: _dist.Distributed = False,
     ) -> None:
+        _closure.check_hyperparameters(self._owner, {"num_samples": num_samples}, {"num_samples": _closure.COUNT})
         super().__init__(params, lr, betas, rho, weight_decay, eps, update_period, maximize, generator, distributed)
         self.distribution, self.num_samples = distribution, num_samples
 
     def _hutchinson(
-        self, loss: Tensor, params: list[Tensor], with_gradient: bool = True
+        self, operator: CurvatureOperator, groups: list[dict[str, Any]], with_gradient: bool = True
     ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
-        operator = HessianOperator(loss, params)
+        _closure.check_dense(self._owner, operator.gradient)
         estimate = hutchinson_diagonal(operator, self.num_samples, self.distribution, self.generator)
-        sign = -1.0 if self.param_groups[0]["maximize"] else 1.0
+        signed = tuple(-e if group["maximize"] else e for e, group in zip(estimate, groups))
         # The probes are alike on every rank, so averaging u * H_r u averages H_r u; one all-reduce for both.
         grads = operator.gradient if with_gradient else ()
-        averaged = _dist.all_average((*grads, *(sign * e for e in estimate)), self.group)
+        averaged = _dist.all_average((*grads, *signed), self.group)
         return averaged[: len(grads)], averaged[len(grads) :]
 
-    def _estimate(self, result, params):
-        return self._hutchinson(result.loss, params)
+    def _estimate(self, result, params, groups):
+        return self._hutchinson(HessianOperator(result.loss, params), groups)
+
+    def _estimate_from_grads(self, params, groups):
+        grads = tuple(p.grad for p in params)
+        if not any(g.requires_grad for g in grads):
+            return None
+        return self._hutchinson(_closure.GradientGraphHessian(grads, params), groups)
 
     @torch.no_grad()
     def update_hessian(self, loss: Tensor) -> None:
@@ -247,14 +340,25 @@ class SophiaH(_Sophia):
 
         With ``maximize`` the estimate is that of :math:`-\text{loss}`. A non-finite estimate is
         discarded with a warning.
+
+        Raises:
+            TypeError: ``loss`` is not a one-element tensor (logits go to :meth:`SophiaG.update_hessian`).
+            RuntimeError: ``loss`` has no autograd graph.
         """
-        params = self._trainable()
-        with torch.enable_grad():
-            _, estimate = self._hutchinson(loss, params, with_gradient=False)
-        if not _closure.all_finite(estimate):
-            _closure.warn_skipped(self._owner, "curvature (Hessian estimate)")
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+            raise TypeError(
+                f"SophiaH.update_hessian takes the scalar loss with its graph (before loss.backward()), got {shape}; "
+                "logits are what SophiaG.update_hessian takes"
+            )
+        if not loss.requires_grad:
+            raise RuntimeError("SophiaH.update_hessian: the loss has no autograd graph (call it before backward)")
+        params, groups = self._trainable()
+        if not params:  # every parameter frozen: nothing to refresh
             return
-        self._refresh(params, estimate)
+        with torch.enable_grad(), _closure.graph_errors(self._owner):
+            _, estimate = self._hutchinson(HessianOperator(loss, params), groups, with_gradient=False)
+        self._refresh(params, groups, estimate)
 
 
 class SophiaG(_Sophia):
@@ -276,8 +380,10 @@ class SophiaG(_Sophia):
 
     The closure returns ``(loss, logits)`` (classes in the last dimension) or a dict with
     ``loss``, ``outputs`` and optionally ``targets`` (rows whose target is ``ignore_index`` are not
-    sampled). A refresh step costs one more ordinary backward (of :math:`\hat L`) on the same
-    forward; other steps cost one gradient, and may return the loss alone.
+    sampled, and never reach the sampler, so NaN logits there do no harm). A refresh step costs
+    one more ordinary backward (of :math:`\hat L`) on the same forward; other steps cost one
+    gradient, and may return the loss alone. Non-finite logits in counted rows give a non-finite
+    estimate: the refresh is skipped with a warning.
 
     Example:
         >>> opt = SophiaG(model.parameters(), lr=6e-4)
@@ -286,7 +392,7 @@ class SophiaG(_Sophia):
         ...     return F.cross_entropy(logits.flatten(0, -2), y.flatten()), logits
         >>> loss = opt.step(closure)
 
-    In a loop that calls ``backward`` itself::
+    In a loop that calls ``backward`` itself (a first step without an estimate raises ``RuntimeError``)::
 
         logits = model(x)
         loss = F.cross_entropy(logits.flatten(0, -2), y.flatten())
@@ -317,6 +423,10 @@ class SophiaG(_Sophia):
 
     _owner = "SophiaG"
     _probes_per_rank = True  # each rank samples labels for its own rows
+    _plain_loop = (
+        "call opt.update_hessian(logits) before loss.backward() every update_period steps, or pass a closure that "
+        "returns (loss, logits)"
+    )
 
     def __init__(
         self,
@@ -336,16 +446,31 @@ class SophiaG(_Sophia):
         super().__init__(params, lr, betas, rho, weight_decay, eps, update_period, maximize, generator, distributed)
         self.ignore_index = ignore_index
 
-    def _bartlett(self, logits: Tensor, targets: Tensor | None, params: list[Tensor]) -> tuple[Tensor, ...]:
+    def _counted_rows(self, logits: Tensor, targets: Tensor | None) -> Tensor:
+        """The logits as rows ``(B, V)``, without those whose target is ``ignore_index``."""
+        if not isinstance(logits, Tensor) or logits.dim() < 1 or logits.shape[-1] < 2:
+            got = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
+            raise ValueError(
+                f"SophiaG takes logits with at least 2 classes in the last dimension, got {got} (a loss goes to "
+                "SophiaH.update_hessian)"
+            )
         rows = logits.reshape(-1, logits.shape[-1])
-        probs = torch.softmax(rows.detach().float(), dim=-1)
-        sampled = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
-        if targets is not None:
-            counted = targets.reshape(-1) != self.ignore_index
-            rows, sampled = rows[counted], sampled[counted]
+        if targets is None:
+            return rows
+        if targets.numel() != rows.shape[0]:
+            raise ValueError(f"SophiaG: {targets.numel()} targets for the {rows.shape[0]} rows of the logits")
+        return rows[targets.reshape(-1).to(rows.device) != self.ignore_index]
+
+    def _bartlett(self, logits: Tensor, targets: Tensor | None, params: list[Tensor]) -> tuple[Tensor, ...]:
+        rows = self._counted_rows(logits, targets)
         count = max(rows.shape[0], 1)
-        sampled_loss = F.cross_entropy(rows, sampled, reduction="sum") / count
-        sampled_grads = _closure.gradients(sampled_loss, params, retain_graph=True)
+        probs = torch.softmax(rows.detach().float(), dim=-1)
+        if _closure.all_finite([probs]):
+            sampled = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+            sampled_loss = F.cross_entropy(rows, sampled, reduction="sum") / count
+            sampled_grads = _closure.gradients(sampled_loss, params, retain_graph=True)
+        else:  # the estimate at non-finite logits is not finite: the caller skips it with a warning
+            sampled_grads = tuple(torch.full_like(p, math.nan) for p in params)
         if self.group is not None:  # the whole batch's gradient: rank sums of B_r g_r and of B_r
             size = _dist.dist.get_world_size(self.group)
             local = (*(count * g for g in sampled_grads), logits.new_full((1,), float(count), dtype=torch.float64))
@@ -354,14 +479,15 @@ class SophiaG(_Sophia):
             sampled_grads = tuple(t / count for t in summed[:-1])
         return tuple(count * g * g for g in sampled_grads)
 
-    def _estimate(self, result, params):
+    def _estimate(self, result, params, groups):
         if result.outputs is None:
             raise RuntimeError(
                 "SophiaG refreshes its estimate from the logits: on refresh steps the closure must return "
                 "(loss, logits) or a dict with 'outputs'"
             )
-        grads = _closure.gradients(result.loss, params, retain_graph=True)
-        grads = _dist.all_average(tuple(g.detach() for g in grads), self.group)
+        grads = tuple(g.detach() for g in _closure.gradients(result.loss, params, retain_graph=True))
+        _closure.check_dense(self._owner, grads)
+        grads = _dist.all_average(grads, self.group)
         return grads, self._bartlett(result.outputs, result.targets, params)
 
     @torch.no_grad()
@@ -372,11 +498,18 @@ class SophiaG(_Sophia):
             logits: Model outputs, classes in the last dimension.
             targets: Optional labels shaped like ``logits`` without its last dimension; rows equal
                 to ``ignore_index`` are not sampled.
+
+        Raises:
+            ValueError: ``logits`` is not a tensor with at least 2 classes in the last dimension
+                (a loss goes to :meth:`SophiaH.update_hessian`), or ``targets`` do not match its rows.
+            RuntimeError: ``logits`` has no autograd graph.
         """
-        params = self._trainable()
+        self._counted_rows(logits, targets)
+        if not logits.requires_grad:
+            raise RuntimeError("SophiaG.update_hessian: the logits have no autograd graph (call it before backward)")
+        params, groups = self._trainable()
+        if not params:  # every parameter frozen: nothing to refresh
+            return
         with torch.enable_grad():
             estimate = self._bartlett(logits, targets, params)
-        if not _closure.all_finite(estimate):
-            _closure.warn_skipped(self._owner, "curvature (Hessian estimate)")
-            return
-        self._refresh(params, estimate)
+        self._refresh(params, groups, estimate)

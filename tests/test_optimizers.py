@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import math
+import re
 import warnings
 
 import numpy as np
@@ -230,22 +231,24 @@ def diagonal_problem(gen):
 
 
 def test_sophia_h_update_matches_hand_formula(gen):
+    """Per-group lr, update_period and maximize (group 1 maximises: its g and h-hat change sign)."""
     a, c, params, closure = diagonal_problem(gen)
-    lrs, (beta1, beta2), rho, wd, eps, k = (0.1, 0.03), (0.9, 0.8), 0.5, 0.2, 1e-15, 2
+    lrs, (beta1, beta2), rho, wd, eps, k = (0.1, 0.03), (0.9, 0.8), 0.5, 0.2, 1e-15, (2, 3)
+    sign = (1.0, -1.0)
     theta = [p.detach().clone() for p in params]
     m = [torch.zeros_like(t) for t in theta]
     h = [torch.zeros_like(t) for t in theta]
-    groups = [{"params": [params[0]], "lr": lrs[0]}, {"params": [params[1]], "lr": lrs[1]}]
-    opt = SophiaH(groups, betas=(beta1, beta2), rho=rho, weight_decay=wd, eps=eps, update_period=k,
-                  distribution="rademacher")  # fmt: skip
-    for t in range(5):
+    groups = [{"params": [params[0]], "lr": lrs[0], "update_period": k[0]},
+              {"params": [params[1]], "lr": lrs[1], "update_period": k[1], "maximize": True}]  # fmt: skip
+    opt = SophiaH(groups, betas=(beta1, beta2), rho=rho, weight_decay=wd, eps=eps, distribution="rademacher")
+    for t in range(7):
         opt.step(closure)
         unclipped, total = 0, 0
         for i in range(2):
-            g = a[i] * theta[i] + c[i]
+            g = sign[i] * (a[i] * theta[i] + c[i])
             m[i] = beta1 * m[i] + (1 - beta1) * g
-            if t % k == 0:
-                h[i] = beta2 * h[i] + (1 - beta2) * a[i]
+            if t % k[i] == 0:
+                h[i] = beta2 * h[i] + (1 - beta2) * sign[i] * a[i]
             theta[i] = theta[i] * (1 - lrs[i] * wd)
             ratio = m[i] / torch.clamp(rho * h[i], min=eps)
             unclipped, total = unclipped + int((ratio.abs() < 1).sum()), total + ratio.numel()
@@ -253,7 +256,8 @@ def test_sophia_h_update_matches_hand_formula(gen):
         for p, expected in zip(params, theta):
             torch.testing.assert_close(p.detach(), expected, rtol=1e-13, atol=1e-15)
         assert opt.stats["unclipped_fraction"] == pytest.approx(unclipped / total)
-        assert opt.stats["hessian_refreshed"] == float(t % k == 0)
+        assert opt.stats["hessian_refreshed"] == float(t % k[0] == 0 or t % k[1] == 0)
+        torch.testing.assert_close(opt.state[params[1]]["hessian"], h[1], rtol=1e-13, atol=1e-15)
 
 
 def test_sophia_g_update_matches_hand_formula(gen):
@@ -520,6 +524,18 @@ def poisoned_closure(model, x, y, cause):
     return closure
 
 
+def assert_same_state(after: dict, before: dict) -> None:
+    """Two optimizer ``state_dict``s hold the same groups and bitwise the same state."""
+    assert after["param_groups"] == before["param_groups"]
+    assert after["state"].keys() == before["state"].keys()
+    for key, values in before["state"].items():
+        assert after["state"][key].keys() == values.keys()
+        for field, value in values.items():
+            new = after["state"][key][field]
+            same = torch.equal(value, new) if isinstance(value, Tensor) else value == new
+            assert same, f"state {key}/{field} changed"
+
+
 @pytest.mark.parametrize(
     "name, cause",
     [(n, c) for n in NAMES for c in ("loss", "gradient", "curvature") if (n, c) not in GGN_CURVATURE],
@@ -535,17 +551,191 @@ def test_non_finite_step_is_skipped_with_warning_and_state_kept(name, cause):
         opt.step(poisoned_closure(model, x, y, cause))
     assert torch.equal(flat(model), params)
     assert opt.stats["step_skipped"] == 1.0
-    after = opt.state_dict()
-    assert after["param_groups"] == state["param_groups"]
-    for key, values in state["state"].items():
-        for field, value in values.items():
-            new = after["state"][key][field]
-            same = torch.equal(value, new) if isinstance(value, Tensor) else value == new
-            assert same, f"state {key}/{field} changed"
+    assert_same_state(opt.state_dict(), state)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt.step(good)
     assert opt.stats["step_skipped"] == 0.0 and not torch.equal(flat(model), params)
+
+
+# ------------------------------------------------------------- hyperparameters and odd inputs
+
+BAD_HYPERPARAMETERS = {  # per optimizer, values that each hyperparameter must refuse
+    NewtonCG: dict(lr=math.nan, damping=math.inf, weight_decay=-1.0, max_cg_iters=0, cg_tol=math.nan,
+                   progress_tol=-math.inf, warm_start_decay=1.5, precond_exponent=math.nan, precond_beta=1.0),
+    SophiaH: dict(lr=math.nan, betas=(0.9, math.nan), rho=math.inf, weight_decay=math.nan, eps=0.0,
+                  update_period=2.5, num_samples=0),
+    SophiaG: dict(lr=math.inf, betas=(math.nan, 0.99), rho=math.nan, eps=math.nan, update_period=0),
+    AdaHessian: dict(lr=math.nan, betas=(0.9, 1.0), eps=math.inf, weight_decay=math.inf, hessian_power=math.nan),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("cls", list(BAD_HYPERPARAMETERS), ids=lambda cls: cls.__name__)
+def test_non_finite_or_out_of_range_hyperparameters_are_refused(cls):
+    """In the constructor (as a default or a group's own value) and in ``add_param_group``."""
+    model, _, _ = mlp_problem()
+    first, second = list(model.parameters())[:2], list(model.parameters())[2:]
+    for name, value in BAD_HYPERPARAMETERS[cls].items():
+        match = f"{cls.__name__}: invalid {re.escape(name) + '.[01].' if name == 'betas' else name}: "
+        with pytest.raises(ValueError, match=match):
+            cls(first, **{name: value})
+        if name == "num_samples":  # an argument of the constructor, not of a group
+            continue
+        with pytest.raises(ValueError, match=match):
+            cls([{"params": first}, {"params": second, name: value}])
+        opt = cls(first)
+        with pytest.raises(ValueError, match=match):
+            opt.add_param_group({"params": second, name: value})
+        assert len(opt.param_groups) == 1
+    with pytest.raises(ValueError) as error:
+        cls(first, lr=math.nan)
+    assert str(error.value) == f"{cls.__name__}: invalid lr: nan; expected a finite number >= 0"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_update_that_would_make_a_parameter_non_finite_is_skipped(name):
+    """A learning rate set to NaN after construction (as a scheduler could): nothing is written."""
+    model, x, y = mlp_problem()
+    opt = make(name, model.parameters())
+    closure = poisoned_closure(model, x, y, None)
+    opt.step(closure)
+    for group in opt.param_groups:
+        group["lr"] = math.nan
+        if name.startswith("newton"):  # no trial points: the update is the first non-finite value
+            group.update(backtrack=False, line_search=False, adapt_damping=False)
+    params, state = flat(model), copy.deepcopy(opt.state_dict())
+    with pytest.warns(RuntimeWarning, match="non-finite update \\(a new parameter or state value\\); the step was "
+                      "skipped and the parameters and optimizer state left unchanged"):  # fmt: skip
+        opt.step(closure)
+    assert torch.equal(flat(model), params) and opt.stats["step_skipped"] == 1.0
+    assert_same_state(opt.state_dict(), state)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_step_with_every_parameter_frozen_changes_nothing_and_returns_the_loss(name):
+    model, x, y = mlp_problem()
+    model.requires_grad_(False)
+    opt = make(name, model.parameters())
+    params = flat(model)
+    inputs = x.clone().requires_grad_()  # a loss with a graph (through the inputs), and one without
+    for closure in (lambda: (F.cross_entropy(model(inputs), y), model(inputs)), poisoned_closure(model, x, y, None)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert torch.equal(opt.step(closure), F.cross_entropy(model(x), y))
+    assert torch.equal(flat(model), params) and not any(opt.state.values()) and opt.stats["step_skipped"] == 0.0
+    if not name.startswith("newton"):  # trainable, but no parameter has a gradient: a loop without a closure
+        model.requires_grad_(True)
+        assert opt.step() is None and torch.equal(flat(model), params) and not any(opt.state.values())
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("name", NAMES)
+def test_sparse_gradients_are_refused_with_a_clear_error(name):
+    embedding = torch.nn.Embedding(5, 3, sparse=True).double()
+    tokens, targets = torch.tensor([0, 1, 2, 1]), torch.tensor([0, 1, 2, 0])
+    opt = make(name, embedding.parameters())
+    weight = embedding.weight.detach().clone()
+    match = f"{type(opt).__name__} does not support sparse gradients \\(from nn.Embedding\\(sparse=True\\)"
+    with pytest.raises(RuntimeError, match=match):
+        opt.step(lambda: (F.cross_entropy(embedding(tokens), targets), embedding(tokens)))
+    if not name.startswith("newton"):
+        F.cross_entropy(embedding(tokens), targets).backward(create_graph=True)
+        with pytest.raises(RuntimeError, match=match):
+            opt.step()
+    assert torch.equal(embedding.weight, weight)
+    assert not any(isinstance(value, Tensor) for state in opt.state.values() for value in state.values())
+
+
+def test_sophia_g_nan_logits_in_ignored_rows_never_reach_the_sampler():
+    """The same steps, bit for bit up to rounding, as on the batch without those rows."""
+    model, x, y = mlp_problem()
+    ignored = torch.arange(10) % 3 == 0
+    targets = torch.where(ignored, -100, y)
+    results = []
+    for with_ignored_rows in (True, False):
+        net = copy.deepcopy(model)
+        opt = SophiaG(net.parameters(), lr=1e-2, update_period=1, generator=torch.Generator().manual_seed(5))
+
+        def closure():
+            if with_ignored_rows:
+                logits = torch.where(ignored[:, None], math.nan, net(x))
+                return {"loss": F.cross_entropy(logits, targets), "outputs": logits, "targets": targets}
+            logits = net(x[~ignored])
+            return {"loss": F.cross_entropy(logits, y[~ignored]), "outputs": logits, "targets": y[~ignored]}
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(3):
+                opt.step(closure)
+        hessian = torch.cat([opt.state[p]["hessian"].reshape(-1) for p in net.parameters()])
+        results.append((flat(net), hessian))
+    assert results[0][1].any() and not torch.equal(results[0][0], flat(model))
+    for with_nan, without in zip(*results):
+        torch.testing.assert_close(with_nan, without, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("line_search", [True, False])
+def test_newton_cg_skips_the_step_when_every_trial_point_is_non_finite(gen, line_search):
+    a, b = spd(4, gen), torch.randn(4, generator=gen, dtype=DTYPE)
+    theta = torch.randn(4, generator=gen, dtype=DTYPE, requires_grad=True)
+    start = theta.detach().clone()
+
+    def closure():  # finite at the starting point only
+        return quadratic(a, b, [theta]) + torch.where((theta != start).any(), math.inf, 0.0)
+
+    opt = NewtonCG([theta], line_search=line_search)
+    with pytest.warns(RuntimeWarning, match="NewtonCG: non-finite loss at every trial point of the search; the step "
+                      "was skipped and the parameters and optimizer state \\(but the damping, now 1.5\\) left"):
+        loss = opt.step(closure)
+    assert loss == quadratic(a, b, [start]) and torch.equal(theta.detach(), start)
+    assert opt.stats["step_skipped"] == 1.0 and opt.stats["step_size"] == 0.0
+    assert opt.state[theta] == {"damping": 1.5}
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_sophia_h_create_graph_loop_refreshes_as_the_closure_does():
+    """``loss.backward(create_graph=True); opt.step()``: the estimate through p.grad's graph, probe for probe."""
+    results = []
+    for mode in ("closure", "plain"):
+        model, x, y = mlp_problem()
+        opt = SophiaH(model.parameters(), lr=1e-2, update_period=2, generator=torch.Generator().manual_seed(7))
+        hessians = []
+        for step in range(4):
+            if mode == "closure":
+                opt.step(lambda: F.cross_entropy(model(x), y))
+            else:
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward(create_graph=True)
+                opt.step()
+                assert all(p.grad.grad_fn is None for p in model.parameters())
+            assert opt.stats["hessian_refreshed"] == float(step % 2 == 0)
+            hessians.append(torch.cat([opt.state[p]["hessian"].reshape(-1) for p in model.parameters()]))
+        results.append((flat(model), hessians))
+    assert results[0][1][0].any() and not torch.equal(results[0][1][0], results[0][1][2])
+    for closure_loop, plain_loop in zip([results[0][0], *results[0][1]], [results[1][0], *results[1][1]]):
+        torch.testing.assert_close(plain_loop, closure_loop, rtol=1e-12, atol=1e-14)
+
+
+def test_sophia_without_an_estimate_or_with_the_wrong_update_hessian_argument_raises():
+    model, x, y = mlp_problem()
+    for cls, hint in ((SophiaH, "loss.backward\\(create_graph=True\\)"), (SophiaG, "update_hessian\\(logits\\)")):
+        opt = cls(model.parameters())
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()  # no graph, no update_hessian: h would stay 0
+        params = flat(model)
+        with pytest.raises(RuntimeError, match=f"{cls.__name__}.step\\(\\) without a closure found no Hessian "
+                           f"estimate on its first step.*{hint}"):  # fmt: skip
+            opt.step()
+        assert torch.equal(flat(model), params) and not any(opt.state.values())
+    logits = model(x)
+    with pytest.raises(TypeError, match="SophiaH.update_hessian takes the scalar loss with its graph \\(before "
+                       "loss.backward\\(\\)\\), got \\(10, 3\\); logits are what SophiaG.update_hessian takes"):
+        SophiaH(model.parameters()).update_hessian(logits)
+    with pytest.raises(RuntimeError, match="SophiaH.update_hessian: the loss has no autograd graph"):
+        SophiaH(model.parameters()).update_hessian(F.cross_entropy(logits, y).detach())
+    with pytest.raises(ValueError, match="SophiaG takes logits with at least 2 classes in the last dimension, "
+                       "got \\(\\)"):  # fmt: skip
+        SophiaG(model.parameters()).update_hessian(F.cross_entropy(logits, y))
 
 
 # ------------------------------------------------------------------------- a tiny transformer
