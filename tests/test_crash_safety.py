@@ -1,5 +1,8 @@
-"""Crash safety of the LM recipe's checkpoints: a run killed mid-write, a disk that fills up, a
-rename that is refused, a checkpoint folder that cannot be made and a corrupt checkpoint file."""
+"""Crash safety of the recipes' checkpoints and run folders: a run killed mid-write, a disk that
+fills up, a rename that is refused, a checkpoint folder that cannot be made, corrupt checkpoint
+files (every flipped bit and zeroed block detected, ``--resume auto`` falling back past them), a
+second run on a folder in use, leftover temporary files and a log that continues without repeats.
+The shared machinery (``recipes.common.run_folder``) is exercised through all three recipes."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import errno
 import io
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,9 +19,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from recipes.common import run_folder
+from recipes.common.config import ConfigError
 from recipes.lm import checkpoint
+from recipes.lm.__main__ import main
+from recipes.lm.logger import drop_rows_after, wandb_run_id
 from recipes.lm.train import train
-from tests.test_lm_recipe import CONFIGS, MICRO, micro_config
+from recipes.meta.train import train as train_meta
+from recipes.ttt.train import train as train_ttt
+from tests import test_meta, test_ttt
+from tests.test_lm_recipe import CONFIGS, MICRO, micro_config, read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 # A model whose checkpoint (weights and AdamW moments, ~40 MB) takes far longer to write than the
@@ -53,6 +64,7 @@ def kill_mid_write(tmp_path: Path, directory: Path, timeout: float = 120.0) -> P
         if process.poll() is None:
             process.kill()
             process.wait()
+        process.stderr.close()
 
 
 def test_sigkill_mid_checkpoint_write_keeps_the_last_good_one_and_resumes(tmp_path):
@@ -112,7 +124,8 @@ def test_disk_full_while_training_is_reported_and_leaves_the_last_checkpoint(tmp
     assert os.listdir(directory) == ["step_00000002.pt"]
     assert checkpoint.load(directory / "step_00000002.pt")["step"] == 2
     monkeypatch.setattr(torch, "save", real_save)
-    train(micro_config(tmp_path, "train.steps=4", "train.checkpoint_interval=2", "train.resume=auto"))
+    with pytest.warns(RuntimeWarning, match="dropped 2 row\\(s\\) logged past step 2"):  # steps 3-4, logged again
+        train(micro_config(tmp_path, "train.steps=4", "train.checkpoint_interval=2", "train.resume=auto"))
     assert checkpoint.load(checkpoint.latest(directory))["step"] == 4
 
 
@@ -143,3 +156,190 @@ def test_unreadable_checkpoint_is_named_with_the_earlier_ones(tmp_path, content)
     broken.write_bytes(content)
     with pytest.raises(checkpoint.CheckpointReadError, match=r"step_00000002.pt cannot be read .*step_00000001.pt"):
         checkpoint.load(broken)
+
+
+# ------------------------------------------------------------------ damaged checkpoints, run folders
+
+RECIPES = {  # recipe: (micro config, train, run folder name)
+    "lm": (micro_config, train, "tiny"),
+    "meta": (test_meta.micro_config, train_meta, "meta_tiny"),
+    "ttt": (test_ttt.micro_config, train_ttt, "ttt_tiny"),
+}
+CLI = ["--config", str(CONFIGS / "tiny.yaml"), *MICRO]
+
+
+def flip_bit(path: Path, bit: int) -> None:
+    content = bytearray(path.read_bytes())
+    content[bit // 8] ^= 1 << bit % 8
+    path.write_bytes(bytes(content))
+
+
+def random_damage(clean: bytes, gen: torch.Generator, flips: int, blocks: int) -> list[bytes]:
+    """``flips`` copies of ``clean`` with one bit flipped and ``blocks`` with one aligned 4 KiB
+    block zeroed (one that held a nonzero byte), at fresh random positions."""
+    damaged = []
+    for _ in range(flips):
+        bit = int(torch.randint(len(clean) * 8, (1,), generator=gen))
+        content = bytearray(clean)
+        content[bit // 8] ^= 1 << bit % 8
+        damaged.append(bytes(content))
+    while len(damaged) < flips + blocks:
+        start = 4096 * int(torch.randint(-(-len(clean) // 4096), (1,), generator=gen))
+        content = bytearray(clean)
+        content[start : start + 4096] = bytes(len(content[start : start + 4096]))
+        if content != clean:
+            damaged.append(bytes(content))
+    return damaged
+
+
+def test_every_bit_flip_and_zeroed_block_is_detected(tmp_path, gen):
+    """A real checkpoint (micro LM weights, AdamW moments, data and RNG state, ~400 KB): 20 random
+    single-bit flips and 20 random zeroed 4 KiB blocks, each refused naming the file; the intact
+    file loads."""
+    train(micro_config(tmp_path, "train.steps=2"))
+    path = tmp_path / "tiny" / "checkpoints" / "step_00000002.pt"
+    clean = path.read_bytes()
+    detected = 0
+    for content in random_damage(clean, gen, flips=20, blocks=20):
+        path.write_bytes(content)
+        with pytest.raises(checkpoint.CheckpointReadError, match=f"^checkpoint {path} cannot be read"):
+            checkpoint.load(path)
+        detected += 1
+    assert detected == 40
+    path.write_bytes(clean)
+    assert checkpoint.load(path)["step"] == 2
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_resume_auto_on_a_fresh_run_starts_from_scratch(tmp_path, recipe):
+    config, train_recipe, name = RECIPES[recipe]
+    train_recipe(config(tmp_path, "train.steps=2", "train.resume=auto"))
+    assert [row["step"] for row in read_jsonl(tmp_path / name / "metrics.jsonl")] == [1, 2]
+    assert [p.name for p in checkpoint.checkpoints(tmp_path / name / "checkpoints")] == ["step_00000002.pt"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_resume_auto_falls_back_past_a_damaged_checkpoint_and_logs_each_step_once(tmp_path, recipe):
+    """Steps 1-4 with checkpoints at 2 and 4; step 4's file gets one flipped bit. ``resume=auto``
+    to step 6 warns naming it, resumes from step 2, drops the log rows of steps 3-4 before logging
+    them again, and writes a good step-4 checkpoint over the damaged one."""
+    config, train_recipe, name = RECIPES[recipe]
+    settings = ("train.checkpoint_interval=2", "train.keep_checkpoints=0", "train.eval_interval=2")
+    train_recipe(config(tmp_path, "train.steps=4", *settings))
+    run_dir = tmp_path / name
+    newest = run_dir / "checkpoints" / "step_00000004.pt"
+    flip_bit(newest, 8 * newest.stat().st_size // 2)
+    with pytest.warns(RuntimeWarning) as warned:
+        train_recipe(config(tmp_path, "train.steps=6", "train.resume=auto", *settings))
+    messages = [str(w.message) for w in warned]
+    assert any(m.startswith(f"skipping a damaged checkpoint: checkpoint {newest} cannot be read (its SHA-256 "
+                            "differs from the one written with it") for m in messages), messages
+    assert f"{run_dir / 'metrics.jsonl'}: dropped 2 row(s) logged past step 2, where this run starts" in messages
+    assert [row["step"] for row in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    assert checkpoint.load(newest)["step"] == 4 and checkpoint.load(run_dir / "checkpoints" / "step_00000006.pt")
+
+
+def test_every_checkpoint_damaged_stops_with_one_line(tmp_path, capsys):
+    train(micro_config(tmp_path, "train.steps=2", "train.checkpoint_interval=1", "train.keep_checkpoints=0"))
+    directory = tmp_path / "tiny" / "checkpoints"
+    for path in checkpoint.checkpoints(directory):
+        flip_bit(path, 100)
+    with pytest.warns(RuntimeWarning, match="skipping a damaged checkpoint"), pytest.raises(SystemExit) as exit_:
+        main([*CLI, f"out_dir={tmp_path}", "train.steps=4", "--resume", "auto"])
+    assert exit_.value.code == 1
+    assert capsys.readouterr().err == (f"python -m recipes.lm: error: every checkpoint in {directory} is damaged: "
+                                       "step_00000001.pt, step_00000002.pt\n")
+
+
+HOLD_LOCK = ("import sys, time; from pathlib import Path; from recipes.common.run_folder import RunLock; "
+             "RunLock(Path(sys.argv[1])).acquire(); print('locked', flush=True); time.sleep(120)")
+
+
+def test_a_second_run_on_a_folder_in_use_is_refused_and_a_dead_runs_lock_taken_over(tmp_path, capsys):
+    """Another live process holds the run folder: the run stops with one line (status 1) and writes
+    nothing. Once that process is killed, its lock file is left naming it; the next run takes it
+    over with a warning and removes it at exit."""
+    run_dir, args = tmp_path / "tiny", [*CLI, f"out_dir={tmp_path}", "train.steps=2"]
+    run_dir.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert holder.stdout.readline() == b"locked\n"
+        with pytest.raises(SystemExit) as exit_:
+            main(args)
+        assert exit_.value.code == 1
+        assert capsys.readouterr().err == (f"python -m recipes.lm: error: {run_dir} is in use by another run (pid "
+                                           f"{holder.pid} on {socket.gethostname()}); wait for it to end or choose "
+                                           "another name\n")
+        assert os.listdir(run_dir) == ["run.lock"]
+    finally:
+        holder.kill()
+        holder.communicate()
+    lock = run_dir / "run.lock"
+    with pytest.warns(RuntimeWarning, match=f"^taking over the stale lock {lock} of process {holder.pid}, which is "
+                                            "no longer running$"):
+        main(args)
+    assert not lock.exists() and checkpoint.latest(run_dir / "checkpoints").name == "step_00000002.pt"
+
+
+def test_a_leftover_lock_of_another_host_is_not_taken_over(tmp_path):
+    (tmp_path / "run.lock").write_text("4242 other-host\n")
+    with pytest.raises(run_folder.RunLockedError, match=f"run.lock names pid 4242 on host other-host, which cannot "
+                                                        f"be checked from {socket.gethostname()}; if no run uses"):
+        run_folder.RunLock(tmp_path).acquire()
+
+
+def test_leftover_temporary_files_are_removed_at_the_next_start(tmp_path):
+    train(micro_config(tmp_path, "train.steps=2"))
+    run_dir = tmp_path / "tiny"
+    directory = run_dir / "checkpoints"
+    (directory / ".step_00000004.pt.tmp-4242").write_bytes(bytes(3_000_000))
+    (directory / ".step_00000003.pt.tmp-4343").write_bytes(bytes(2_000_000))
+    (run_dir / ".metrics.jsonl.tmp-77").write_text("{}")
+    with pytest.warns(RuntimeWarning) as warned:
+        train(micro_config(tmp_path, "train.steps=4", "train.resume=auto"))
+    assert [str(w.message) for w in warned if w.category is RuntimeWarning] == [
+        f"removed 1 temporary file(s) of interrupted writes from {run_dir} (0.0 MB): .metrics.jsonl.tmp-77",
+        (f"removed 2 temporary file(s) of interrupted writes from {directory} (5.0 MB): .step_00000003.pt.tmp-4343, "
+         ".step_00000004.pt.tmp-4242"),
+    ]
+    assert sorted(os.listdir(directory)) == ["step_00000002.pt", "step_00000004.pt"]
+
+
+def test_log_rows_past_the_resumed_step_and_a_cut_line_are_dropped(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(f'{{"step": {step}, "train/loss": 1.0}}\n' for step in range(1, 6)) + '{"step": 6, "tr')
+    with pytest.warns(RuntimeWarning, match=f"^{path}: dropped 3 row\\(s\\) logged past step 3, where this run starts$"):
+        drop_rows_after(path, 3)
+    assert [row["step"] for row in read_jsonl(path)] == [1, 2, 3]
+    assert not [p for p in tmp_path.iterdir() if p.name != "metrics.jsonl"], "no temporary file is left"
+
+
+def test_wandb_run_id_is_kept_for_a_resumed_run_and_renewed_for_a_fresh_one(tmp_path):
+    first = wandb_run_id(tmp_path, fresh=True)
+    assert (tmp_path / "wandb_run_id").read_text() == first + "\n" and len(first) == 16
+    assert wandb_run_id(tmp_path, fresh=False) == first
+    assert wandb_run_id(tmp_path, fresh=True) != first
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_cuda_device_without_cuda_is_a_config_error(tmp_path, recipe, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config, train_recipe, name = RECIPES[recipe]
+    with pytest.raises(ConfigError, match="^train.device=cuda, but torch finds no CUDA device on this machine; use "
+                                          "train.device=auto or cpu$"):
+        train_recipe(config(tmp_path, "train.device=cuda"))
+    assert not (tmp_path / name).exists()
+
+
+def test_a_file_system_without_flock_runs_unlocked_with_a_warning(tmp_path, monkeypatch):
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(run_folder.fcntl, "flock", no_locks)
+    lock = run_folder.RunLock(tmp_path)
+    with pytest.warns(RuntimeWarning, match=f"^cannot lock {tmp_path / 'run.lock'} \\(No locks available\\): the file "
+                                            "system does not support flock, so nothing stops a second run"):
+        lock.acquire()
+    lock.release()
+    assert lock.fd is None

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 from wandb.proto import wandb_internal_pb2
 
-from recipes.common.config import resume_path
+from recipes.common import run_folder
 from recipes.lm import checkpoint, data, optimizers
 from recipes.lm.__main__ import main
 from recipes.lm.model import GPT, cross_entropy
 from recipes.lm.train import ConfigError, load_config, train
+from recipes.meta.train import train as train_meta
+from tests.test_meta import micro_config as meta_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "lm"
 MICRO = [
@@ -128,12 +132,76 @@ def test_wandb_offline_run_holds_the_logged_keys(tmp_path):
         (["model.norm=batchnorm"], "model.norm must be one of rmsnorm, layernorm"),
         (["model.d_model=30"], "model.d_model (30) must be model.n_heads (4) times an even head_dim"),
         (["data.val_fraction=1.5"], "data.val_fraction must be in (0, 1)"),
+        (["data.source=text", "data.path=/nonexistent/*.txt"], "data.path '/nonexistent/*.txt' matches no files"),
+        (["data.source=binary", "data.path=/nonexistent.bin"], "data.path '/nonexistent.bin' is not a file"),
+        (["name=../../escape"], "name must be a relative folder name inside out_dir, without '..'; got '../../escape'"),
+        (["name=a/../../b"], "name must be a relative folder name inside out_dir, without '..'; got 'a/../../b'"),
+        (["name=${oc.env:HOME}"], (f"name must be a relative folder name inside out_dir, without '..'; got "
+                                   f"{str(Path.home())!r}")),
+        (["name=."], "name must be a relative folder name inside out_dir, without '..'; got '.'"),
+        (["name=${oc.env:FLASHBOB_UNSET_VARIABLE}"], ("bad config key 'name': KeyError raised while resolving "
+                                                      "interpolation: \"Environment variable 'FLASHBOB_UNSET_VARIABLE' "
+                                                      "not found\"")),
     ],
 )
 def test_bad_config_is_rejected_naming_the_key(tmp_path, overrides, message):
     with pytest.raises(ConfigError) as error:
         micro_config(tmp_path, *overrides)
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("name: x\nmodel: {d_model: 32\n", "is not valid YAML at line 3, column 1: did not find expected ',' or '}'"),
+        ("train:\n  steps: 5\n    eval_interval: 2\n", ("is not valid YAML at line 3, column 18: mapping values are "
+                                                        "not allowed in this context")),
+        ("- name\n- tiny\n", "must hold a mapping of settings (key: value), not a list"),
+    ],
+)
+def test_malformed_yaml_is_one_line_naming_the_file(tmp_path, capsys, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"^config file {path} {re.escape(message)}$"):
+        load_config(str(path))
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", str(path)])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"python -m recipes.lm: error: config file {path} {message}"
+
+
+MISMATCHES = [
+    (["optimizer.name=sophiah"], "holds AdamW optimizer state; this run's optimizer is SophiaH"),
+    (["model.d_model=64"], ("does not fit this run's model: size mismatch for embed.weight: copying a param with "
+                            "shape torch.Size([256, 32]) from checkpoint, the shape in current model is "
+                            "torch.Size([256, 64]). (and 16 more)")),
+    (["train.seed=1"], "does not fit this run's data: checkpoint data seed 0 differs from this run's 1"),
+]
+
+
+def test_resuming_a_checkpoint_of_another_model_or_optimizer_is_one_line(tmp_path, capsys):
+    """Before: ``KeyError: 'update_period'`` (AdamW state into SophiaH), torch's multi-line size
+    mismatch or Batches' ValueError, each with a traceback."""
+    args = ["--config", str(CONFIGS / "tiny.yaml"), *MICRO, f"out_dir={tmp_path}", "train.steps=2"]
+    main(args)
+    source = tmp_path / "tiny" / "checkpoints" / "step_00000002.pt"
+    for overrides, message in MISMATCHES:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_:
+            main([*args[:-1], "train.steps=4", *overrides, "--resume", "auto"])
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1] == (f"python -m recipes.lm: error: train.resume: checkpoint "
+                                                            f"{source} {message}")
+    kept = OmegaConf.load(tmp_path / "tiny" / "config.yaml")
+    assert (kept.optimizer.name, kept.model.d_model, kept.train.seed) == ("adamw", 32, 0), "config.yaml is untouched"
+
+
+def test_resuming_another_recipes_checkpoint_is_one_line(tmp_path):
+    train_meta(meta_config(tmp_path, "train.steps=1"))
+    source = tmp_path / "meta_tiny" / "checkpoints" / "step_00000001.pt"
+    with pytest.raises(ConfigError, match=f"^train.resume: checkpoint {source} holds Transformer model state; this "
+                                          "run's model is GPT$"):
+        train(micro_config(tmp_path, f"train.resume={source}"))
 
 
 def test_bad_config_on_the_command_line_exits_with_the_message(capsys):
@@ -199,7 +267,7 @@ def test_partial_temporary_checkpoint_is_ignored(tmp_path):
     good = checkpoint.save(directory, 5, {"step": 5, "weights": torch.arange(3.0)})
     (directory / ".step_00000010.pt.tmp-4242").write_bytes(b"PK\x03\x04 truncated mid-write")
     assert checkpoint.latest(directory) == good
-    assert resume_path("auto", tmp_path / "tiny") == good
+    assert run_folder.resume("auto", tmp_path / "tiny")[0] == good
     assert checkpoint.load(good)["step"] == 5
 
 

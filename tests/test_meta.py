@@ -161,6 +161,8 @@ def test_command_line_resume_auto_and_wandb_offline(tmp_path, capsys):
     assert "meta_test/query_accuracy=" in capsys.readouterr().err
     run_files = list((tmp_path / "meta_tiny" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(run_files) == 2 and all(b"meta_train/query_loss" in f.read_bytes() for f in run_files)
+    run_id = (tmp_path / "meta_tiny" / "wandb_run_id").read_text().strip()
+    assert all(f.name == f"run-{run_id}.wandb" for f in run_files), "the resumed process continues the same W&B run"
 
 
 @pytest.mark.parametrize(
@@ -174,6 +176,7 @@ def test_command_line_resume_auto_and_wandb_offline(tmp_path, capsys):
         (["maml.inner_steps=0"], "maml.inner_steps must be > 0"),
         (["task.noise=1.5"], "task.noise must be in [0, 1]"),
         (["model.d_model=30"], "model.d_model (30) must be model.n_heads (4) times an even head_dim"),
+        (["name=/tmp/elsewhere"], "name must be a relative folder name inside out_dir, without '..'; got '/tmp/elsewhere'"),
     ],
 )
 def test_bad_config_is_rejected_naming_the_key(tmp_path, overrides, message):

@@ -153,6 +153,8 @@ def test_command_line_resume_auto_and_wandb_offline(tmp_path, capsys):
     assert "val/ttt_gain=" in capsys.readouterr().err
     run_files = list((tmp_path / "ttt_tiny" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(run_files) == 2 and all(b"val/ttt_gain" in f.read_bytes() for f in run_files)
+    run_id = (tmp_path / "ttt_tiny" / "wandb_run_id").read_text().strip()
+    assert all(f.name == f"run-{run_id}.wandb" for f in run_files), "the resumed process continues the same W&B run"
 
 
 @pytest.mark.parametrize(
@@ -165,6 +167,8 @@ def test_command_line_resume_auto_and_wandb_offline(tmp_path, capsys):
         (["ttt.inner_steps=-1"], "ttt.inner_steps must be >= 0"),
         (["data.continuation_length=0"], "data.continuation_length must be > 0"),
         (["model.attention=flash"], "model.attention must be one of flashbob, eager"),
+        (["data.source=text", "data.path=/nonexistent/**/*.txt"], "data.path '/nonexistent/**/*.txt' matches no files"),
+        (["name=runs/../.."], "name must be a relative folder name inside out_dir, without '..'; got 'runs/../..'"),
     ],
 )
 def test_bad_config_is_rejected_naming_the_key(tmp_path, overrides, message):

@@ -1,1 +1,2 @@
-"""Pieces the meta-learning and test-time-training recipes share: config loading and a small transformer."""
+"""Pieces the three recipes share: config loading and checks, the command line, the run folder
+(lock, leftover cleanup, verified resume) and a small transformer."""

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from omegaconf import DictConfig
 
 from recipes.common.config import ConfigError
+from recipes.common.run_folder import RunLockedError
+from recipes.lm.checkpoint import CheckpointReadError, CheckpointWriteError
 
 
 def run(
@@ -20,9 +22,13 @@ def run(
     summary_keys: Callable[[str], bool],
     argv: list[str] | None = None,
 ) -> dict[str, float]:
-    """Parse the arguments, load and validate the config (errors exit with status 2 and the
-    message), train, and print the summary values whose keys ``summary_keys`` accepts (rank 0 only
-    under ``torchrun``)."""
+    """Parse the arguments, load and validate the config, train, and print the summary values whose
+    keys ``summary_keys`` accepts (rank 0 only under ``torchrun``).
+
+    A config error, found while loading or once training starts (no CUDA device, a checkpoint of
+    another model), exits with status 2 and the one-line message; a run folder in use and an
+    unreadable or unwritable checkpoint exit with status 1 and theirs, without a traceback.
+    """
     parser = argparse.ArgumentParser(prog=f"python -m recipes.{name}", description=description)
     parser.add_argument("--config", help=f"YAML config, e.g. configs/{name}/tiny.yaml (default: the schema's defaults)")
     parser.add_argument("--resume", help="checkpoint file or folder, or 'auto' (same as train.resume=...)")
@@ -33,7 +39,12 @@ def run(
         cfg = load_config(args.config, overrides)
     except (ConfigError, FileNotFoundError) as error:
         parser.error(str(error))
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    except ConfigError as error:
+        parser.error(str(error))
+    except (RunLockedError, CheckpointReadError, CheckpointWriteError) as error:
+        parser.exit(1, f"{parser.prog}: error: {error}\n")
     if os.environ.get("RANK", "0") == "0":
         print(" ".join(f"{key}={value:.4g}" for key, value in summary.items() if summary_keys(key)), file=sys.stderr)
     return summary

@@ -4,14 +4,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import PurePath
 from typing import Iterable, Optional
 
 import torch
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from recipes.lm import checkpoint
+from recipes.lm import data
 
 
 class ConfigError(ValueError):
@@ -47,19 +48,41 @@ class LoggerConfig:
 def load(schema: type, path: str | None, overrides: Iterable[str]) -> DictConfig:
     """``schema``'s defaults, updated by the YAML file ``path`` and then by ``key=value`` ``overrides``.
 
-    ``logger: none`` is accepted as shorthand for ``logger.kind: none``.
+    ``logger: none`` is accepted as shorthand for ``logger.kind: none``. Interpolations
+    (``${oc.env:HOME}``) are resolved once here, so one that fails is reported now.
     """
     try:
-        sources = [OmegaConf.load(path)] if path else []
+        sources = [load_yaml(path)] if path else []
         sources.append(OmegaConf.from_dotlist(list(overrides)))
         for source in sources:
             if isinstance(source.get("logger"), str):
                 source.logger = {"kind": source.logger}
-        return OmegaConf.merge(OmegaConf.structured(schema), *sources)
+        cfg = OmegaConf.merge(OmegaConf.structured(schema), *sources)
+        OmegaConf.to_container(cfg, resolve=True)
+        return cfg
     except OmegaConfBaseException as error:
         key = getattr(error, "full_key", None)
         message = str(getattr(error, "msg", error)).splitlines()[0]
         raise ConfigError(f"bad config key {key!r}: {message}" if key else f"bad config: {message}") from None
+
+
+def load_yaml(path: str) -> DictConfig:
+    """The settings in the YAML file ``path`` (a mapping; an empty file is no settings).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ConfigError: the file is not valid YAML, or not a mapping; the message gives the line.
+    """
+    try:
+        loaded = OmegaConf.load(path)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"config file {path} must hold a mapping of settings (key: value), not a list")
+    return loaded
 
 
 # Rules of the shared TrainConfig and LoggerConfig keys, which check() applies to every recipe.
@@ -89,6 +112,29 @@ def check(cfg: DictConfig, choices: dict[str, tuple], positive: Iterable[str] = 
     for key in non_negative:
         if not OmegaConf.select(cfg, key) >= 0:
             raise ConfigError(f"{key} must be >= 0, got {OmegaConf.select(cfg, key)}")
+    check_name(cfg.name)
+
+
+def check_name(name: str) -> None:
+    """The run folder ``<out_dir>/<name>`` must lie inside ``out_dir``: ``name`` is relative, without ``..``."""
+    parts = PurePath(name).parts
+    if not parts or PurePath(name).is_absolute() or ".." in parts:
+        raise ConfigError(f"name must be a relative folder name inside out_dir, without '..'; got {name!r}")
+
+
+def check_data_path(data_cfg: DictConfig) -> None:
+    """``data.path`` must name the files of the text (a glob) and binary (one file) sources."""
+    if data_cfg.source == "stdlib":
+        return
+    if not data_cfg.path:
+        raise ConfigError(f"data.path is required for data.source={data_cfg.source}")
+    try:
+        if data_cfg.source == "text":
+            data.text_sources(data_cfg.path)
+        else:
+            data.binary_file(data_cfg.path)
+    except FileNotFoundError as error:
+        raise ConfigError(str(error)) from None
 
 
 def check_head_dim(model: DictConfig) -> None:
@@ -100,24 +146,16 @@ def check_head_dim(model: DictConfig) -> None:
 
 def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype | None]:
     """The device (``auto``: CUDA if available) and the autocast dtype (``None``: no autocast;
-    ``auto``: bfloat16 on CUDA, none elsewhere)."""
+    ``auto``: bfloat16 on CUDA, none elsewhere).
+
+    Raises:
+        ConfigError: ``device`` is ``cuda`` on a machine where torch finds no CUDA device.
+    """
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda, but torch finds no CUDA device on this machine; "
+                          "use train.device=auto or cpu")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
     return torch.device(device), (torch.bfloat16 if dtype == "bfloat16" else None)
-
-
-def resume_path(resume: str | None, run_dir: Path) -> Path | None:
-    """The checkpoint ``train.resume`` names: ``auto`` is this run's newest (or none yet)."""
-    if resume is None:
-        return None
-    target = run_dir / "checkpoints" if resume == "auto" else Path(resume)
-    if target.is_dir():
-        found = checkpoint.latest(target)
-        if found is None and resume != "auto":
-            raise FileNotFoundError(f"train.resume: no checkpoint in {target}")
-        return found
-    if not target.is_file():
-        raise FileNotFoundError(f"train.resume: {target} does not exist")
-    return target

@@ -1,17 +1,24 @@
-"""Atomic training checkpoints and the random-number-generator states that make resuming exact.
+"""Atomic, verified training checkpoints and the random-number-generator states that make resuming exact.
 
 A checkpoint is written to a temporary file in the target folder, flushed to disk, and renamed
 over its final name (``step_00001000.pt``); a process killed mid-write leaves at most a stray
-temporary file (``.step_*.pt.tmp-<pid>``, safe to delete), never a broken checkpoint, and
-:func:`latest` only ever sees finished ones. A write that fails (disk full, no permission) removes
-its temporary file and raises :class:`CheckpointWriteError` naming the checkpoint and the cause;
-the checkpoints already written are untouched. An unreadable checkpoint raises
-:class:`CheckpointReadError` naming the file.
+temporary file (``.step_*.pt.tmp-<pid>``, removed by :func:`remove_temporaries` at the next start),
+never a broken checkpoint, and :func:`latest` only ever sees finished ones. A write that fails
+(disk full, no permission) removes its temporary file and raises :class:`CheckpointWriteError`
+naming the checkpoint and the cause; the checkpoints already written are untouched.
+
+The file is ``torch.save``'s zip archive followed by a footer line holding the SHA-256 of the
+archive, ``flashbob-checkpoint-sha256:<64 hex digits>\n`` (check one by hand with
+``head -c -92 step_00001000.pt | sha256sum``). :func:`load` verifies it before unpickling
+anything: a file whose bytes changed after it was written (a flipped bit, a zeroed block, a cut
+end) raises :class:`CheckpointReadError` naming the file; torch's own reader does not check the
+zip entries' CRCs and would load most such damage silently.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import pickle
 import random
@@ -22,6 +29,10 @@ import numpy as np
 import torch
 
 NAME = re.compile(r"step_(\d{8})\.pt")
+TEMPORARY = re.compile(r"\..+\.tmp-\d+")  # an interrupted atomic write's file: .<final name>.tmp-<pid>
+FOOTER_PREFIX = b"flashbob-checkpoint-sha256:"
+FOOTER_SIZE = len(FOOTER_PREFIX) + 64 + 1  # prefix, hex digest, newline
+CHUNK = 1 << 20
 
 
 class CheckpointWriteError(OSError):
@@ -74,8 +85,28 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+class _HashingWriter:
+    """A binary file that also feeds every byte written through it to a SHA-256."""
+
+    def __init__(self, file):
+        self.file, self.sha256 = file, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def footer(digest: str) -> bytes:
+    """The last line of a checkpoint: its archive's SHA-256 as 64 hex digits."""
+    return FOOTER_PREFIX + digest.encode("ascii") + b"\n"
+
+
 def save(directory: Path, step: int, state: dict, keep: int = 0) -> Path:
-    """Write ``state`` atomically as ``directory/step_<step>.pt``; keep only the newest ``keep`` (0: all).
+    """Write ``state`` atomically as ``directory/step_<step>.pt`` with its SHA-256 footer; keep only
+    the newest ``keep`` (0: all).
 
     Raises:
         CheckpointWriteError: the folder could not be made or the file not written (disk full, no
@@ -86,7 +117,9 @@ def save(directory: Path, step: int, state: dict, keep: int = 0) -> Path:
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with open(temporary, "wb") as f:
-            torch.save(state, f)
+            writer = _HashingWriter(f)
+            torch.save(state, writer)
+            f.write(footer(writer.sha256.hexdigest()))
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, final)
@@ -109,6 +142,20 @@ def save(directory: Path, step: int, state: dict, keep: int = 0) -> Path:
     return final
 
 
+def remove_temporaries(directory: Path) -> list[tuple[Path, int]]:
+    """Delete the temporary files that interrupted atomic writes left in ``directory``; returns
+    ``(path, size in bytes)`` of each. Only call it while no other process writes there."""
+    if not directory.is_dir():
+        return []
+    removed = []
+    for path in sorted(directory.iterdir()):
+        if TEMPORARY.fullmatch(path.name) and path.is_file():
+            size = path.stat().st_size
+            path.unlink(missing_ok=True)
+            removed.append((path, size))
+    return removed
+
+
 def checkpoints(directory: Path) -> list[Path]:
     """Finished checkpoints in ``directory``, oldest step first (temporary files are not among them)."""
     if not directory.is_dir():
@@ -122,17 +169,45 @@ def latest(directory: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def load(path: Path) -> dict:
-    """A checkpoint's state, tensors on the CPU (``weights_only``: no arbitrary code is unpickled).
+def verify(path: Path) -> None:
+    """Check that ``path`` ends in a SHA-256 footer matching the bytes before it.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        CheckpointReadError: ``path`` is truncated, corrupt or not a checkpoint; the message names it
+        CheckpointReadError: the footer is missing or the digest differs: the file is truncated,
+            damaged, or was not written by :func:`save`.
+    """
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size >= FOOTER_SIZE:
+            f.seek(size - FOOTER_SIZE)
+            stored = f.read(FOOTER_SIZE)
+        if size < FOOTER_SIZE or not (stored.startswith(FOOTER_PREFIX) and stored.endswith(b"\n")):
+            raise CheckpointReadError("no SHA-256 footer at its end: truncated, damaged, or not written by this "
+                                      "version of recipes.lm.checkpoint.save")
+        sha256, remaining = hashlib.sha256(), size - FOOTER_SIZE
+        f.seek(0)
+        while remaining:
+            chunk = f.read(min(CHUNK, remaining))
+            sha256.update(chunk)
+            remaining -= len(chunk)
+    if footer(sha256.hexdigest()) != stored:
+        raise CheckpointReadError("its SHA-256 differs from the one written with it: the file is damaged")
+
+
+def load(path: Path) -> dict:
+    """A checkpoint's state, tensors on the CPU, after :func:`verify` (``weights_only``: no
+    arbitrary code is unpickled).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        CheckpointReadError: ``path`` is truncated, damaged or not a checkpoint; the message names it
             and the earlier checkpoints next to it.
     """
     try:
+        verify(path)
         return torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
+    except (CheckpointReadError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
         earlier = [p.name for p in checkpoints(path.parent) if p.name < path.name]
         hint = f"; earlier checkpoints there: {', '.join(earlier)}" if earlier else ""
         reason = (str(error) or type(error).__name__).splitlines()[0]

@@ -92,11 +92,16 @@ def split_documents(sources: list[tuple[str, Path]], max_bytes: int, val_fractio
     return Corpus(train=train, val=val)
 
 
-def binary_corpus(path: str, dtype: str, val_fraction: float) -> Corpus:
-    """A pre-tokenised file read through ``np.memmap``; its last ``val_fraction`` is the validation split."""
+def binary_file(path: str) -> Path:
+    """``path`` as a ``Path``, checked to be a file."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"data.path {path!r} is not a file")
-    tokens = np.memmap(path, dtype=BINARY_DTYPES[dtype], mode="r")
+    return Path(path)
+
+
+def binary_corpus(path: str, dtype: str, val_fraction: float) -> Corpus:
+    """A pre-tokenised file read through ``np.memmap``; its last ``val_fraction`` is the validation split."""
+    tokens = np.memmap(binary_file(path), dtype=BINARY_DTYPES[dtype], mode="r")
     cut = len(tokens) - int(len(tokens) * val_fraction)
     return Corpus(train=tokens[:cut], val=tokens[cut:])
 

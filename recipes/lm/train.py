@@ -18,7 +18,8 @@ the same number of processes, and at the same data position on another.
 Every setting is below with its default and meaning; a YAML file sets some of them and
 ``key=value`` arguments (OmegaConf dotlist) override any. Unknown keys, wrong types and bad
 values are rejected with an error naming the key. A run writes to ``<out_dir>/<name>/``: the
-resolved ``config.yaml``, ``metrics.jsonl``, ``checkpoints/step_*.pt`` and ``wandb/``.
+resolved ``config.yaml``, ``metrics.jsonl``, ``checkpoints/step_*.pt`` and ``wandb/``; rank 0
+holds ``run.lock`` there while it runs (see :mod:`recipes.common.run_folder`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from recipes.common import config as configs
+from recipes.common import run_folder
 from recipes.common.config import ConfigError
 from recipes.lm import checkpoint, data, distributed, optimizers
 from recipes.lm.logger import RunLogger
@@ -136,8 +138,7 @@ def validate(cfg: DictConfig) -> None:
         )
     if not 0 < cfg.data.val_fraction < 1:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
-    if cfg.data.source != "stdlib" and not cfg.data.path:
-        raise ConfigError(f"data.path is required for data.source={cfg.data.source}")
+    configs.check_data_path(cfg.data)
     try:
         spec = optimizers.spec(cfg.optimizer.name)
     except ValueError as error:
@@ -214,16 +215,14 @@ def train(cfg: DictConfig) -> dict[str, float]:
     ctx = distributed.setup(device.type)
     device = ctx.device if device.type == "cuda" else device
     try:
-        return _train(cfg, run_dir, ctx, device, autocast_dtype)
+        with run_folder.claim(run_dir) if ctx.is_main else contextlib.nullcontext():
+            return _train(cfg, run_dir, ctx, device, autocast_dtype)
     finally:
         distributed.teardown(ctx)
 
 
 def _train(cfg: DictConfig, run_dir: Path, ctx: distributed.Context, device: torch.device,
            autocast_dtype: torch.dtype | None) -> dict[str, float]:
-    if ctx.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(cfg, run_dir / "config.yaml")
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
@@ -254,14 +253,11 @@ def _train(cfg: DictConfig, run_dir: Path, ctx: distributed.Context, device: tor
         torch.manual_seed(cfg.train.seed + 7919 * ctx.rank)
 
     step = 0
-    source = configs.resume_path(cfg.train.resume, run_dir)
-    if source is not None:
-        state = checkpoint.load(source)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        if scheduler is not None:
-            scheduler.load_state_dict(state["scheduler"])
-        train_batches.load_state_dict(state["data"])
+    parts = {"model": model, "optimizer": opt, "scheduler": scheduler, "data": train_batches}
+    resumed = run_folder.resume(cfg.train.resume, run_dir)
+    if resumed is not None:
+        source, state = resumed
+        run_folder.restore(source, state, **parts)
         restore_rng(state, opt, ctx)
         step = state["step"]
 
@@ -280,17 +276,16 @@ def _train(cfg: DictConfig, run_dir: Path, ctx: distributed.Context, device: tor
     def save_checkpoint() -> None:
         rngs = distributed.gather(rng_states(opt), ctx)  # a collective: every rank takes part
         if ctx.is_main:
-            state = {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                     "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                     "data": train_batches.state_dict(), "rng": rngs[0], "rng_ranks": rngs, "step": step,
+            state = {**run_folder.snapshot(**parts), "rng": rngs[0], "rng_ranks": rngs, "step": step,
                      "world_size": ctx.world_size, "config": OmegaConf.to_container(cfg)}
             checkpoint.save(run_dir / "checkpoints", step, state, keep=cfg.train.keep_checkpoints)
 
     logger = None
     if ctx.is_main:
+        OmegaConf.save(cfg, run_dir / "config.yaml")  # after resuming: a refused resume leaves it as it was
         logger = RunLogger(run_dir, OmegaConf.to_container(cfg, resolve=True), kind=cfg.logger.kind,
                            project=cfg.logger.project, name=cfg.name, wandb_mode=cfg.logger.wandb_mode,
-                           entity=cfg.logger.entity)
+                           entity=cfg.logger.entity, start_step=step)
     tokens_per_step = cfg.data.batch_size * cfg.data.context_length * cfg.train.grad_accum_steps * ctx.world_size
     no_sync = trained.no_sync if isinstance(trained, DistributedDataParallel) else None
     last: dict[str, float] = {}

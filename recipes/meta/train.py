@@ -7,10 +7,11 @@
 Every setting is below with its default and meaning; a YAML file sets some of them and
 ``key=value`` arguments (OmegaConf dotlist) override any. Unknown keys, wrong types and bad
 values are rejected with an error naming the key. A run writes to ``<out_dir>/<name>/``: the
-resolved ``config.yaml``, ``metrics.jsonl``, ``checkpoints/step_*.pt`` and ``wandb/``. Each
-meta-step adapts to ``maml.meta_batch`` fresh meta-train tasks and steps the outer Adam on the mean
-query loss; every ``train.eval_interval`` steps the same ``train.eval_tasks`` held-out meta-test
-tasks are adapted to and scored.
+resolved ``config.yaml``, ``metrics.jsonl``, ``checkpoints/step_*.pt`` and ``wandb/``, and holds
+``run.lock`` there while it runs (see :mod:`recipes.common.run_folder`). Each meta-step adapts
+to ``maml.meta_batch`` fresh meta-train tasks and steps the outer Adam on the mean query loss;
+every ``train.eval_interval`` steps the same ``train.eval_tasks`` held-out meta-test tasks are
+adapted to and scored.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from recipes.common import config as configs
+from recipes.common import run_folder
 from recipes.common.config import ConfigError
 from recipes.common.transformer import ATTENTION, BACKENDS, Transformer
 from recipes.lm import checkpoint
@@ -150,9 +152,13 @@ def task_stream(cfg: DictConfig, split: str) -> TaskStream:
 def train(cfg: DictConfig) -> dict[str, float]:
     """Run the meta-training ``cfg`` describes; returns the last logged metrics."""
     run_dir = Path(cfg.out_dir) / cfg.name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, run_dir / "config.yaml")
     device, autocast_dtype = configs.resolve_device(cfg.train.device, cfg.train.dtype)
+    with run_folder.claim(run_dir):
+        return _train(cfg, run_dir, device, autocast_dtype)
+
+
+def _train(cfg: DictConfig, run_dir: Path, device: torch.device, autocast_dtype: torch.dtype | None
+           ) -> dict[str, float]:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
@@ -172,23 +178,23 @@ def train(cfg: DictConfig) -> dict[str, float]:
             return net(x)
 
     step = 0
-    source = configs.resume_path(cfg.train.resume, run_dir)
-    if source is not None:
-        state = checkpoint.load(source)
-        model.load_state_dict(state["model"])
-        meta_opt.load_state_dict(state["optimizer"])
-        train_tasks.load_state_dict(state["tasks"])
+    parts = {"model": model, "optimizer": meta_opt, "tasks": train_tasks}
+    resumed = run_folder.resume(cfg.train.resume, run_dir)
+    if resumed is not None:
+        source, state = resumed
+        run_folder.restore(source, state, **parts)
         checkpoint.set_rng_state(state["rng"])
         step = state["step"]
 
     def save_checkpoint() -> None:
-        state = {"model": model.state_dict(), "optimizer": meta_opt.state_dict(), "tasks": train_tasks.state_dict(),
-                 "rng": checkpoint.rng_state(), "step": step, "config": OmegaConf.to_container(cfg)}
+        state = {**run_folder.snapshot(**parts), "rng": checkpoint.rng_state(), "step": step,
+                 "config": OmegaConf.to_container(cfg)}
         checkpoint.save(run_dir / "checkpoints", step, state, keep=cfg.train.keep_checkpoints)
 
+    OmegaConf.save(cfg, run_dir / "config.yaml")  # after resuming: a refused resume leaves it as it was
     logger = RunLogger(run_dir, OmegaConf.to_container(cfg, resolve=True), kind=cfg.logger.kind,
                        project=cfg.logger.project, name=cfg.name, wandb_mode=cfg.logger.wandb_mode,
-                       entity=cfg.logger.entity)
+                       entity=cfg.logger.entity, start_step=step)
     last: dict[str, float] = {}
     bar = tqdm(total=cfg.train.steps, initial=step, disable=not cfg.train.progress, desc=cfg.name, unit="step")
     try:

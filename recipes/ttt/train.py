@@ -14,7 +14,8 @@ difference, ``val/ttt_gain`` (nats per token; positive: TTT helps).
 
 Every setting is below with its default and meaning; unknown keys, wrong types and bad values are
 rejected with an error naming the key. A run writes to ``<out_dir>/<name>/``: the resolved
-``config.yaml``, ``metrics.jsonl``, ``checkpoints/step_*.pt`` and ``wandb/``.
+``config.yaml``, ``metrics.jsonl``, ``checkpoints/step_*.pt`` and ``wandb/``, and holds
+``run.lock`` there while it runs (see :mod:`recipes.common.run_folder`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from recipes.common import config as configs
+from recipes.common import run_folder
 from recipes.common.config import ConfigError
 from recipes.common.transformer import ATTENTION, BACKENDS, Transformer
 from recipes.lm import checkpoint, data
@@ -125,8 +127,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"ttt.layers ({cfg.ttt.layers}) must be <= model.n_layers ({m.n_layers})")
     if not 0 < cfg.data.val_fraction < 1:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
-    if cfg.data.source != "stdlib" and not cfg.data.path:
-        raise ConfigError(f"data.path is required for data.source={cfg.data.source}")
+    configs.check_data_path(cfg.data)
 
 
 def load_config(path: str | None = None, overrides: list[str] = ()) -> DictConfig:
@@ -166,9 +167,13 @@ def evaluate(model: ttt.TTTModel, batches: data.Batches, n: int, cfg: DictConfig
 def train(cfg: DictConfig) -> dict[str, float]:
     """Run the meta-training ``cfg`` describes; returns the last logged metrics."""
     run_dir = Path(cfg.out_dir) / cfg.name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, run_dir / "config.yaml")
     device, autocast_dtype = configs.resolve_device(cfg.train.device, cfg.train.dtype)
+    with run_folder.claim(run_dir):
+        return _train(cfg, run_dir, device, autocast_dtype)
+
+
+def _train(cfg: DictConfig, run_dir: Path, device: torch.device, autocast_dtype: torch.dtype | None
+           ) -> dict[str, float]:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
@@ -188,25 +193,23 @@ def train(cfg: DictConfig) -> dict[str, float]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(o.warmup_steps, cfg.train.steps, min_ratio=0.1))
 
     step = 0
-    source = configs.resume_path(cfg.train.resume, run_dir)
-    if source is not None:
-        state = checkpoint.load(source)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        train_batches.load_state_dict(state["data"])
+    parts = {"model": model, "optimizer": opt, "scheduler": scheduler, "data": train_batches}
+    resumed = run_folder.resume(cfg.train.resume, run_dir)
+    if resumed is not None:
+        source, state = resumed
+        run_folder.restore(source, state, **parts)
         checkpoint.set_rng_state(state["rng"])
         step = state["step"]
 
     def save_checkpoint() -> None:
-        state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": scheduler.state_dict(),
-                 "data": train_batches.state_dict(), "rng": checkpoint.rng_state(), "step": step,
+        state = {**run_folder.snapshot(**parts), "rng": checkpoint.rng_state(), "step": step,
                  "config": OmegaConf.to_container(cfg)}
         checkpoint.save(run_dir / "checkpoints", step, state, keep=cfg.train.keep_checkpoints)
 
+    OmegaConf.save(cfg, run_dir / "config.yaml")  # after resuming: a refused resume leaves it as it was
     logger = RunLogger(run_dir, OmegaConf.to_container(cfg, resolve=True), kind=cfg.logger.kind,
                        project=cfg.logger.project, name=cfg.name, wandb_mode=cfg.logger.wandb_mode,
-                       entity=cfg.logger.entity)
+                       entity=cfg.logger.entity, start_step=step)
     t = cfg.ttt
     last: dict[str, float] = {}
     bar = tqdm(total=cfg.train.steps, initial=step, disable=not cfg.train.progress, desc=cfg.name, unit="step")
