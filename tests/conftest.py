@@ -1,12 +1,19 @@
-"""Shared test setup: Triton's interpreter for CPU runs of the kernels, and fresh random inputs."""
+"""Shared test setup: where the Triton kernels run, and fresh random inputs.
+
+On a machine with CUDA the suite runs the kernels on the GPU; on a CPU-only machine it runs them in
+Triton's interpreter. ``TRITON_INTERPRET`` must be set before ``triton`` is first imported, so it is
+decided here (an explicit ``TRITON_INTERPRET`` in the environment wins). ``tests/helpers.py`` reads
+the decision (``KERNEL_DEVICE``, ``needs_kernels``, ...).
+"""
 
 import os
 import secrets
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
-
-import pytest
 import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture

@@ -1,8 +1,45 @@
-"""Helpers shared by the tests: random attention inputs and relative errors."""
+"""Helpers shared by the tests: where the kernels run, random attention inputs and relative errors."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
+
+#: Triton's interpreter runs the kernels on CPU tensors (``tests/conftest.py`` turns it on without CUDA).
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+#: Where ``backend="triton"`` runs: the CPU in the interpreter, else the GPU; None when neither is there.
+KERNEL_DEVICE = "cpu" if INTERPRETED else ("cuda" if torch.cuda.is_available() else None)
+#: The dtype in which the kernels' exactness is checked against the float64 oracle: float64 in the
+#: interpreter; float32 (no TF32) on a GPU, since Triton 3.6 does not compile float64 kernels for Hopper.
+KERNEL_EXACT_DTYPE = torch.float64 if INTERPRETED else torch.float32
+#: Relative error allowed for an exact computation in that dtype.
+EXACT_TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
+
+needs_kernels = pytest.mark.skipif(
+    KERNEL_DEVICE is None, reason="the Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 to run on the CPU"
+)
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRETED, reason="float64 through the Triton kernels runs in the interpreter only (Triton 3.6 does "
+    "not compile float64 kernels for Hopper)"
+)
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+#: Both backends as a parametrisation; the Triton one skips where the kernels cannot run.
+BACKENDS = ["blocked", pytest.param("triton", marks=needs_kernels)]
+
+
+def on_backend(backend: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The float64 test tensors where ``backend`` runs: on the CPU in float64 for the blocked backend
+    and in the interpreter, on the GPU in :data:`KERNEL_EXACT_DTYPE` for the kernels there."""
+    if backend != "triton":
+        return tensors
+    return tuple(t.to(KERNEL_DEVICE, KERNEL_EXACT_DTYPE) for t in tensors)
+
+
+def exact_tolerance(x: torch.Tensor) -> float:
+    """The relative error allowed for an exact result computed in ``x``'s dtype."""
+    return EXACT_TOLERANCE[x.dtype]
 
 
 def attention_inputs(gen, *, batch=2, heads=4, kv_heads=2, n=13, m=9, head_dim=8, dtype=torch.float64):

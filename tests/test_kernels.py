@@ -1,21 +1,21 @@
 """Every output of the Triton kernels against the float64 autograd oracle in flashbob.reference."""
 
 import itertools
-import os
 
 import pytest
 import torch
 
 from flashbob import blocked, kernels, reference
 from flashbob.kernels import configs
-from tests.helpers import relative_error
+from tests.helpers import KERNEL_DEVICE, KERNEL_EXACT_DTYPE, needs_interpreter, needs_kernels, relative_error
 
-DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"  # tests/conftest.py sets it
+pytestmark = needs_kernels
+DEVICE = KERNEL_DEVICE
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 # The interpreter runs float64 kernels, which Triton 3.6 cannot compile for the H200: on a GPU the
 # tests of exactness run in float32 (no TF32) against the same float64 oracle.
-EXACT = torch.float64 if DEVICE == "cpu" else torch.float32
-CPU_ONLY = pytest.mark.skipif(DEVICE != "cpu", reason="float64 kernels do not compile for the GPU (Triton 3.6)")
+EXACT = KERNEL_EXACT_DTYPE
+CPU_ONLY = needs_interpreter
 FP16_BAR = 1.5  # half precision: no worse than 1.5x eager PyTorch autograd in the same dtype
 FORWARD, BACKWARD, BOB = ("o", "lse"), ("dq", "dk", "dv", "delta"), ("q_bar", "k_bar", "v_bar", "do_bar")
 COTANGENTS = ("dq_bar", "dk_bar", "dv_bar")

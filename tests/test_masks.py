@@ -2,21 +2,16 @@
 the float64 oracle, fully masked rows (zero output and gradients, never NaN), masked keys (zero
 dK, dV, K̄, V̄ rows), and causal + key mask combined."""
 
-import os
-
 import pytest
 import torch
 
 import flashbob
 from flashbob import blocked, reference
 from flashbob.kernels import configs
-from tests.helpers import assert_matches
+from tests.helpers import BACKENDS, KERNEL_DEVICE, KERNEL_EXACT_DTYPE, assert_matches
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRETED else "cuda"
-# float64 kernels run in the interpreter only (Triton 3.6 cannot compile them for the H200): on a GPU
-# the kernels run in float32 against the same float64 oracle.
-EXACT, TOLERANCE = (torch.float64, 1e-10) if INTERPRETED else (torch.float32, 1e-5)
+DEVICE, EXACT = KERNEL_DEVICE or "cpu", KERNEL_EXACT_DTYPE  # float32 against the float64 oracle on a GPU
+TOLERANCE = 1e-10 if EXACT == torch.float64 else 1e-5
 COTANGENTS = ("dq_bar", "dk_bar", "dv_bar")
 NAMES = ("o", "dq", "dk", "dv", "q_bar", "k_bar", "v_bar", "do_bar")
 
@@ -62,7 +57,7 @@ def run_reference(t, key_mask, causal, scale):
     return dict(zip(NAMES, (o, *grads, *outs)))
 
 
-@pytest.mark.parametrize("backend", ["blocked", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [(2, 4, 2, 21, 19, 16), (3, 2, 1, 17, 33, 8)])
 def test_every_output_matches_the_masked_oracle(gen, backend, causal, shape):
@@ -95,7 +90,7 @@ def test_the_oracle_defines_fully_masked_rows_as_zero():
     assert torch.isfinite(dq).all() and (dq == 0).all()
 
 
-@pytest.mark.parametrize("backend", ["blocked", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_attention_with_key_mask_second_derivative(gen, backend):
     """Through the public entry: an HVP with a key mask (causal, with empty rows) matches the oracle."""
     t, key_mask = make_case(gen, 2, 2, 1, 18, 18, 8)

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import flashbob
 from flashbob import blocked, reference
+from tests.helpers import needs_interpreter
 
 LAYOUTS = ("contiguous", "transposed", "strided", "expanded")
 SETTINGS = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -103,6 +104,7 @@ def test_blocked_backend_matches_float64_oracle(p, panel):
         assert_close(ours, exact, 1e-4, p, floor=10.0)
 
 
+@needs_interpreter
 @settings(max_examples=15, **SETTINGS)
 @given(p=problems(max_len=40, head_dims=(1, 8, 16, 40), dtypes=(torch.float64,)))
 def test_triton_kernels_match_float64_oracle(p):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 
 import pytest
 import torch
@@ -19,10 +18,7 @@ import flashbob
 from flashbob import reference
 from flashbob.kernels import configs
 from optim import AdaHessian, NewtonCG, SophiaG, SophiaH
-
-BACKENDS = ["blocked", "triton"]
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # tests/conftest.py sets it
-DEVICE = "cpu" if INTERPRETED else "cuda"  # where the extreme-logit tests run the kernels
+from tests.helpers import BACKENDS, KERNEL_DEVICE, needs_interpreter, needs_kernels, on_backend
 
 
 def attention_fn(backend: str):
@@ -46,16 +42,34 @@ def all_outputs(attention, q, k, v, do, bars, *, causal=True, scale=None) -> lis
     return [o.detach(), *(g.detach() for g in first), *second]
 
 
-def random_problem(gen, *, heads=2, kv_heads=1, n=20, m=20, head_dim=8, dtype=torch.float64):
-    """``q, k, v, do`` and the three cotangents ``bars``, drawn in float64 and rounded to ``dtype``."""
+def random_problem(gen, *, heads=2, kv_heads=1, n=20, m=20, head_dim=8, dtype=torch.float64, backend="blocked"):
+    """``q, k, v, do`` and the three cotangents ``bars``, drawn in float64 and rounded to ``dtype``, where
+    ``backend`` runs (float64 becomes float32 for the kernels on a GPU: ``tests.helpers.on_backend``)."""
     shapes = [(1, heads, n, head_dim), (1, kv_heads, m, head_dim), (1, kv_heads, m, head_dim), (1, heads, n, head_dim)]
     q, k, v, do = (torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes)
     bars = [torch.randn(x.shape, generator=gen, dtype=torch.float64) for x in (q, k, v)]
-    return [x.to(dtype) for x in (q, k, v, do)], [b.to(dtype) for b in bars]
+    tensors = [x.to(dtype) for x in (q, k, v, do, *bars)]
+    if dtype == torch.float64:
+        tensors = on_backend(backend, *tensors)
+    elif backend == "triton":
+        tensors = [x.to(KERNEL_DEVICE) for x in tensors]
+    return list(tensors[:4]), list(tensors[4:])
+
+
+def exact(problem, bars, **options) -> list[torch.Tensor]:
+    """Every output of the float64 oracle on the CPU for the same (rounded) inputs."""
+    return all_outputs(reference.attention, *(x.cpu().double() for x in problem), [b.cpu().double() for b in bars],
+                       **options)
+
+
+def tolerance(x: torch.Tensor, float64: float) -> float:
+    """``float64`` for float64 results; 1e-5 for float32 ones (the kernels on a GPU)."""
+    return float64 if x.dtype == torch.float64 else 1e-5
 
 
 def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
+    x, ref = x.cpu().double(), ref.cpu().double()
+    return ((x - ref).norm() / ref.norm()).item()
 
 
 # ----------------------------------------------------------------------------- bad inputs
@@ -82,13 +96,18 @@ def qkv(q=(2, 4, 5, 8), k=(2, 2, 6, 8), v=None):
     ],
 )
 def test_bad_inputs_raise_naming_the_argument(args, kwargs, error, message):
+    if kwargs.get("backend") == "triton":
+        if KERNEL_DEVICE is None:
+            pytest.skip(needs_kernels.kwargs["reason"])
+        args = [x.to(KERNEL_DEVICE) for x in args]
     with pytest.raises(error, match=message):
         flashbob.attention(*args, **kwargs)
 
 
+@needs_kernels
 def test_too_many_programs_for_the_kernels_grid_is_rejected():
     """CUDA grids hold at most 65535 programs along y, where the kernels put batch * heads."""
-    q = torch.randn(1, 1, 1, 16).expand(65536, 1, 1, 16)  # stride 0: no memory, the check needs none
+    q = torch.randn(1, 1, 1, 16, device=KERNEL_DEVICE).expand(65536, 1, 1, 16)  # stride 0: the check needs no memory
     with pytest.raises(ValueError, match="batch \\* heads = 65536 is more than the 65535"):
         flashbob.attention(q, q, q, backend="triton")
 
@@ -99,25 +118,25 @@ def test_too_many_programs_for_the_kernels_grid_is_rejected():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_zero_scale_averages_the_visible_values(gen, backend):
     """``scale=0``: uniform attention, so causal row ``i`` of ``O`` is the mean of ``V[:i+1]``."""
-    (q, k, v, _), _ = random_problem(gen, heads=1, n=9, m=9)
+    (q, k, v, _), _ = random_problem(gen, heads=1, n=9, m=9, backend=backend)
     o = attention_fn(backend)(q, k, v, causal=True, scale=0.0)
-    means = v.cumsum(2) / torch.arange(1, 10, dtype=v.dtype)[:, None]
-    torch.testing.assert_close(o, means, rtol=1e-12, atol=1e-12)
+    means = v.cumsum(2) / torch.arange(1, 10, dtype=v.dtype, device=v.device)[:, None]
+    bar = tolerance(o, 1e-12)
+    torch.testing.assert_close(o, means, rtol=bar, atol=bar)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("scale", [0.0, -0.8])
 def test_zero_and_negative_scale_all_derivatives(gen, backend, scale):
-    problem, bars = random_problem(gen)
+    problem, bars = random_problem(gen, backend=backend)
     ours = all_outputs(attention_fn(backend), *problem, bars, scale=scale)
-    exact = all_outputs(reference.attention, *problem, bars, scale=scale)
-    for name, a, r in zip(("o", "dq", "dk", "dv", "q_bar", "k_bar", "v_bar"), ours, exact):
-        assert (a - r).norm() <= 1e-10 * max(r.norm(), 1.0), name
+    for name, a, r in zip(("o", "dq", "dk", "dv", "q_bar", "k_bar", "v_bar"), ours, exact(problem, bars, scale=scale)):
+        assert (a.cpu().double() - r).norm() <= tolerance(a, 1e-10) * max(r.norm(), 1.0), name
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_batch_gives_empty_results(backend):
-    q, k, v = (torch.randn(0, 2, 5, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    q, k, v = (x.requires_grad_() for x in on_backend(backend, *torch.randn(3, 0, 2, 5, 8, dtype=torch.float64)))
     o = attention_fn(backend)(q, k, v, causal=True)
     (dq,) = torch.autograd.grad(o.sum(), q, create_graph=True)
     grads = torch.autograd.grad(dq.sum(), (q, k, v), allow_unused=True, materialize_grads=True)
@@ -135,23 +154,25 @@ def test_large_batch_times_heads_on_the_blocked_backend():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_broadcast_cotangents_of_sum_losses(gen, backend):
     """``out.sum()`` and ``dq.sum()`` hand the kernels stride-0 cotangents; results stay exact."""
-    (q0, k0, v0, _), _ = random_problem(gen, kv_heads=2)
+    (q0, k0, v0, _), _ = random_problem(gen, kv_heads=2, backend=backend)
 
-    def second_order(attention):
-        q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
+    def second_order(attention, *inputs):
+        q, k, v = (x.clone().requires_grad_() for x in inputs)
         (dq,) = torch.autograd.grad(attention(q, k, v, causal=True).sum(), q, create_graph=True)
         return torch.autograd.grad(dq.sum(), (q, k, v))
 
-    for a, r in zip(second_order(attention_fn(backend)), second_order(reference.attention)):
-        assert relative_error(a, r) < 1e-10
+    exact_grads = second_order(reference.attention, *(x.cpu().double() for x in (q0, k0, v0)))
+    for a, r in zip(second_order(attention_fn(backend), q0, k0, v0), exact_grads):
+        assert relative_error(a, r) < tolerance(a, 1e-10)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_input_requires_grad(gen, backend):
-    (q, k, v, _), _ = random_problem(gen)
+    (q, k, v, _), _ = random_problem(gen, backend=backend)
     o = attention_fn(backend)(q, k, v)
     assert not o.requires_grad and o.grad_fn is None
-    torch.testing.assert_close(o, reference.attention(q, k, v), rtol=1e-12, atol=1e-12)
+    bar = tolerance(o, 1e-12)
+    torch.testing.assert_close(o, reference.attention(q, k, v), rtol=bar, atol=bar)
 # ----------------------------------------------------------------------------- extreme logits
 
 OUTPUTS = ("o", "dq", "dk", "dv", "q_bar", "k_bar", "v_bar")
@@ -173,9 +194,7 @@ def extreme_problem(gen, kind: str, dtype: torch.dtype):
     return [x.to(dtype) for x in (q, k, v, do)], [b.to(dtype) for b in bars]
 
 
-@pytest.mark.parametrize("backend", ["blocked", pytest.param("triton", marks=pytest.mark.skipif(
-    not INTERPRETED, reason="float64 Triton kernels run in the interpreter only (Triton 3.6 cannot compile them "
-    "for the H200)"))])
+@pytest.mark.parametrize("backend", ["blocked", pytest.param("triton", marks=needs_interpreter)])
 @pytest.mark.parametrize("kind", ["shift+", "shift-", "peaked", "flat"])
 def test_extreme_logits_float64(gen, backend, kind):
     """Forward, backward and BoB stay finite and match the float64 oracle at ±1e4 scores."""
@@ -187,8 +206,10 @@ def test_extreme_logits_float64(gen, backend, kind):
         assert (a - r).norm() <= 1e-9 * max(r.norm(), 1.0), f"{name}: {(a - r).norm():.2e}"
 
 
-def on_device(problem, bars):
-    return [x.to(DEVICE) for x in problem], [b.to(DEVICE) for b in bars]
+def on_device(backend, problem, bars):
+    """The problem where ``backend`` runs (the kernels' device for ``triton``)."""
+    device = KERNEL_DEVICE if backend == "triton" else "cpu"
+    return [x.to(device) for x in problem], [b.to(device) for b in bars]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -198,7 +219,7 @@ def test_shifted_logits_float32_no_worse_than_eager(gen, backend, kind):
 
     Failed before the blocked backend normalised P by its row sums (dQ ~100x, Q̄ ~400x worse), and
     on the kernels while they kept one float32 lse (row max and log-sum are now stored apart)."""
-    problem, bars = on_device(*extreme_problem(gen, kind, torch.float32))
+    problem, bars = on_device(backend, *extreme_problem(gen, kind, torch.float32))
     ours = all_outputs(attention_fn(backend), *problem, bars)
     eager = all_outputs(reference.attention, *problem, bars)
     exact = all_outputs(reference.attention, *(x.double() for x in problem), [b.double() for b in bars])
@@ -217,7 +238,7 @@ def test_peaked_logits_float32(gen, backend):
     one-hot ``P`` moves by up to one ulp of the largest score: ``dV`` is held to that,
     ``eps32 max|S|`` (~8e-4 here; the interpreter gives 7e-5 to 1e-4). dQ, dK and BoB's outputs
     vanish in exact arithmetic here; the float64 test above checks them tightly."""
-    problem, bars = on_device(*extreme_problem(gen, "peaked", torch.float32))
+    problem, bars = on_device(backend, *extreme_problem(gen, "peaked", torch.float32))
     ours = all_outputs(attention_fn(backend), *problem, bars)
     exact = all_outputs(reference.attention, *(x.double() for x in problem), [b.double() for b in bars])
     assert all(torch.isfinite(a).all() for a in ours)
@@ -241,7 +262,7 @@ def test_non_finite_inputs_propagate(gen, backend, causal, poisoned, value):
     limit, not garbage: a ``-inf`` score masks its key and leaves finite results, as in naive
     attention. Either way the non-finite elements are exactly those of naive autograd (of ``O``
     only when causal: there naive autograd adds NaN through ``0 * NaN`` in masked entries)."""
-    problem, bars = random_problem(gen)
+    problem, bars = random_problem(gen, backend=backend)
     index = ("qkv".index(poisoned) if poisoned != "do" else 3, 0, 0, 5, 3)
 
     def with_value(x):
@@ -267,17 +288,19 @@ def test_non_finite_inputs_propagate(gen, backend, causal, poisoned, value):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_repeated_runs_are_bitwise_identical(gen, backend, dtype):
     """Forward, backward and BoB (GQA, causal, several tiles) twice: the same bits."""
-    problem, bars = random_problem(gen, heads=4, kv_heads=2, n=37, m=37, head_dim=16, dtype=dtype)
+    problem, bars = random_problem(gen, heads=4, kv_heads=2, n=37, m=37, head_dim=16, dtype=dtype, backend=backend)
     first = all_outputs(attention_fn(backend), *problem, bars)
     second = all_outputs(attention_fn(backend), *problem, bars)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
+@needs_kernels
 def test_kernels_are_batch_invariant(gen):
     """A (batch, head)'s results from the kernels do not depend on what else is in the batch:
     every program reads one (batch, kv head) and sums in a fixed order, with no atomics."""
-    (q, k, v, do), bars = random_problem(gen, heads=2, kv_heads=1, n=33, m=33, head_dim=16, dtype=torch.float32)
-    (q3, k3, v3, do3), bars3 = random_problem(gen, heads=2, kv_heads=1, n=33, m=33, head_dim=16, dtype=torch.float32)
+    shape = dict(heads=2, kv_heads=1, n=33, m=33, head_dim=16, dtype=torch.float32, backend="triton")
+    (q, k, v, do), bars = random_problem(gen, **shape)
+    (q3, k3, v3, do3), bars3 = random_problem(gen, **shape)
     batched = [torch.cat([a, b]) for a, b in zip((q, k, v, do), (q3, k3, v3, do3))]
     alone = all_outputs(attention_fn("triton"), q, k, v, do, bars)
     together = all_outputs(attention_fn("triton"), *batched, [torch.cat([a, b]) for a, b in zip(bars, bars3)])
