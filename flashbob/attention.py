@@ -22,22 +22,28 @@ MAX_GRID_Y = 65535
 
 @dataclass(frozen=True)
 class Backend:
-    """The three passes one implementation provides (signatures as in :mod:`flashbob.blocked`)."""
+    """The passes one implementation provides (signatures as in :mod:`flashbob.blocked`): forward,
+    backward, backward-over-backward, and the tangents of the forward and of the backward (forward mode)."""
 
     name: str
     forward: Callable
     backward: Callable
     bob: Callable
+    forward_jvp: Callable
+    backward_jvp: Callable
 
 
 def _triton_backend(allow_tf32: bool) -> Backend:
     from flashbob import kernels  # imports triton; only when the Triton backend is used
 
     bind = functools.partial(functools.partial, allow_tf32=allow_tf32)
-    return Backend("triton", bind(kernels.forward), bind(kernels.backward), bind(kernels.bob))
+    return Backend(
+        "triton",
+        *(bind(f) for f in (kernels.forward, kernels.backward, kernels.bob, kernels.forward_jvp, kernels.backward_jvp)),
+    )
 
 
-BLOCKED = Backend("blocked", blocked.forward, blocked.backward, blocked.bob)
+BLOCKED = Backend("blocked", blocked.forward, blocked.backward, blocked.bob, blocked.forward_jvp, blocked.backward_jvp)
 
 
 def select_backend(q: torch.Tensor, backend: BackendName) -> Backend:

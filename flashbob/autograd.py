@@ -1,29 +1,56 @@
-"""The autograd chain ``Attention -> AttentionBackward -> BackwardOverBackward``.
+"""The autograd chain ``Attention -> AttentionBackward -> BackwardOverBackward`` and its forward-mode rules.
 
-Each Function only wires a backend's ``forward``, ``backward`` and ``bob`` together; the math
-lives in the backends (:mod:`flashbob.blocked`, :mod:`flashbob.kernels`). Because the first
-backward is itself a Function, ``torch.autograd.grad(out, inputs, create_graph=True)`` builds a
-graph whose backward is the closed-form BoB, so second derivatives are exact. ``O``, ``stats`` and
-``Δ`` enter the lower levels as constants: the BoB formulas already account for every path
-through them. A third derivative raises a clear error instead of returning a wrong answer.
+Each Function only wires a backend's passes together; the math lives in the backends
+(:mod:`flashbob.blocked`, :mod:`flashbob.kernels`). Because the first backward is itself a
+Function, ``torch.autograd.grad(out, inputs, create_graph=True)`` builds a graph whose backward is
+the closed-form BoB, so second derivatives are exact. ``O``, ``stats`` and ``Δ`` enter the lower
+levels as constants: the BoB formulas already account for every path through them.
+
+Forward mode: ``Attention``'s ``jvp`` rule gives the tangent of ``O`` (the backend's
+``forward_jvp``) and ``AttentionBackward``'s gives the tangents of ``dQ, dK, dV`` (``backward_jvp``,
+which recomputes ``Ȯ`` itself since ``O`` enters detached). So ``torch.func.jvp``, ``jacfwd``,
+``torch.autograd.forward_ad`` and forward-over-reverse second derivatives (``torch.func.hessian`` =
+``jacfwd(jacrev(f))``, ``jvp`` of ``grad``) work. The tangents are computed by two more Functions,
+``AttentionTangent`` and ``AttentionBackwardTangent``, so that under ``jacfwd``/``vmap`` (which
+hand the ``jvp`` rules batched tangents) their ``vmap`` rules fold the batch before any kernel runs.
+
+What is not differentiable raises a clear error instead of returning a wrong answer: the BoB
+and the backward's tangents (third derivatives), and the forward's tangent differentiated again
+(reverse-over-forward such as ``jacrev(jacfwd(f))``, forward-over-forward such as ``jacfwd(jacfwd(f))``).
 
 The optional boolean key-padding mask ``key_mask`` ``(batch, M)`` is a non-differentiable input
-of every level. All three Functions use the ``setup_context`` style and define a ``vmap`` rule
-that folds the vmapped dimension into the batch dimension, so ``torch.func.grad``, ``vjp`` and
-``vmap`` (over any argument, e.g. per-sample gradients) compose with them. Forward-mode AD
-(``torch.func.jvp``, ``torch.autograd.forward_ad``) is not implemented and raises a clear error.
+of every level. All Functions use the ``setup_context`` style and define a ``vmap`` rule that folds
+the vmapped dimension into the batch dimension, so ``torch.func.grad``, ``vjp``, ``jacrev``,
+``jacfwd`` and ``vmap`` (over any argument, e.g. per-sample gradients) compose with them.
 """
 
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
+
 import torch
 from einops import rearrange
+from torch._C._functorch import is_legacy_batchedtensor
 
-FORWARD_MODE_ERROR = (
-    "flashbob.attention does not support forward-mode AD (torch.func.jvp, torch.func.jacfwd, "
-    "torch.autograd.forward_ad): only reverse mode is implemented (torch.autograd.grad, torch.func.grad, "
-    "vjp, jacrev, vmap; double backward included). Use torch.func.jacrev / a double-vjp for Hessian-vector "
-    "products, or flashbob.reference.attention for forward mode at small sizes."
+SECOND_ORDER_ROUTES = (
+    "Second derivatives are available as reverse-over-reverse (torch.autograd.grad with create_graph=True, "
+    "torch.autograd.functional.vhp, torch.func.jacrev(torch.func.jacrev(f))) and as forward-over-reverse "
+    "(torch.func.hessian, torch.func.jvp of torch.func.grad)."
+)
+THIRD_ORDER_ERROR = (
+    "flashbob.attention is differentiable twice, not three times: something differentiated its backward's "
+    "backward (the closed-form backward-over-backward, or the tangent of the backward), which has no derivative. "
+    "A third derivative does this, and so does torch.autograd.functional.hvp, which reaches a second derivative "
+    "by differentiating the backward's backward (its double-vjp trick): for Hessian-vector products use "
+    "torch.autograd.functional.vhp (the same product, as a Hessian is symmetric), optim.hvp, or torch.func.jvp "
+    "of torch.func.grad. For third-order derivatives use flashbob.reference.attention at small sizes."
+)
+TANGENT_ERROR = (
+    "flashbob.attention's forward-mode tangent cannot be differentiated again (reverse-over-forward, e.g. "
+    "torch.func.jacrev(torch.func.jacfwd(f)) or a backward through a jvp; forward-over-forward, e.g. "
+    "torch.func.jacfwd(torch.func.jacfwd(f))). " + SECOND_ORDER_ROUTES + " Third derivatives are not supported: "
+    "use flashbob.reference.attention for them at small sizes."
 )
 
 
@@ -39,8 +66,56 @@ def _fold(info, in_dims, args):
 
 
 def _unfold(info, outputs):
+    """Split the merged (vmap, batch) dimension of each output (a tensor or a tuple of them) back into two."""
+    if isinstance(outputs, torch.Tensor):
+        return rearrange(outputs, "(v b) ... -> v b ...", v=info.batch_size), 0
     unfolded = tuple(rearrange(x, "(v b) ... -> v b ...", v=info.batch_size) for x in outputs)
     return unfolded, (0,) * len(unfolded)
+
+
+def _legacy_vmap_level() -> int:
+    """The nesting depth of PyTorch's legacy vmap (``torch._vmap_internals``), which is the level of its
+    innermost batched tensors."""
+    depth = torch._C._vmapmode_increment_nesting() - 1
+    torch._C._vmapmode_decrement_nesting()
+    return depth
+
+
+def _legacy_vmap_support(forward):
+    """Let a Function's ``forward`` take tensors batched by PyTorch's legacy vmap.
+
+    ``torch.autograd.grad(..., is_grads_batched=True)``, ``torch.autograd.functional.jacobian`` and
+    ``hessian`` with ``vectorize=True`` and gradcheck's batched checks use that older vmap, which
+    does not call the Functions' ``vmap`` rules: the backends would see tensors without storage. The
+    batch dimension is taken out of every tensor (unbatched ones are expanded), folded into the
+    batch dimension as in the ``vmap`` rules, and put back on the outputs.
+    """
+
+    @functools.wraps(forward)
+    def wrapper(*args):
+        if not any(isinstance(x, torch.Tensor) and is_legacy_batchedtensor(x) for x in args):
+            return forward(*args)
+        level = _legacy_vmap_level()
+        if level != 1:
+            raise RuntimeError(
+                "flashbob.attention does not support nested legacy vmaps (torch._vmap_internals, used by "
+                "is_grads_batched=True and vectorize=True); use torch.func.vmap instead"
+            )
+        batch_size = next(
+            torch._remove_batch_dim(x, level, 0, 0).shape[0]
+            for x in args
+            if isinstance(x, torch.Tensor) and is_legacy_batchedtensor(x)
+        )
+        info = SimpleNamespace(batch_size=batch_size)
+        physical = [
+            torch._remove_batch_dim(x, level, batch_size, 0) if isinstance(x, torch.Tensor) else x for x in args
+        ]
+        outputs, _ = _unfold(info, forward(*_fold(info, [0] * len(args), physical)))
+        if isinstance(outputs, torch.Tensor):
+            return torch._add_batch_dim(outputs, 0, level)
+        return tuple(torch._add_batch_dim(x, 0, level) for x in outputs)
+
+    return wrapper
 
 
 class Attention(torch.autograd.Function):
@@ -48,6 +123,7 @@ class Attention(torch.autograd.Function):
     backend, row max and log-sum for the kernels) is returned only so it can be saved."""
 
     @staticmethod
+    @_legacy_vmap_support
     def forward(q, k, v, key_mask, causal: bool, scale: float, backend):
         return backend.forward(q, k, v, causal=causal, scale=scale, key_mask=key_mask)
 
@@ -56,10 +132,14 @@ class Attention(torch.autograd.Function):
         q, k, v, key_mask, ctx.causal, ctx.scale, ctx.backend = inputs
         o, stats = output
         ctx.mark_non_differentiable(stats)
+        ctx.set_materialize_grads(False)  # absent tangents stay None: the backends skip them
         ctx.save_for_backward(q, k, v, o, stats, key_mask)
+        ctx.save_for_forward(q, k, v, o, stats, key_mask)
 
     @staticmethod
     def backward(ctx, do, _stats_grad):
+        if do is None:  # O's cotangent is absent (zero)
+            return None, None, None, None, None, None, None
         q, k, v, o, stats, key_mask = ctx.saved_tensors
         dq, dk, dv, _delta = AttentionBackward.apply(
             q, k, v, do, o.detach(), stats, key_mask, ctx.causal, ctx.scale, ctx.backend
@@ -67,8 +147,12 @@ class Attention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
     @staticmethod
-    def jvp(ctx, *tangents):
-        raise RuntimeError(FORWARD_MODE_ERROR)
+    def jvp(ctx, q_dot, k_dot, v_dot, *_):
+        q, k, v, o, stats, key_mask = ctx.saved_tensors
+        o_dot = AttentionTangent.apply(
+            q, k, v, o, stats, q_dot, k_dot, v_dot, key_mask, ctx.causal, ctx.scale, ctx.backend
+        )
+        return o_dot, None
 
     @staticmethod
     def vmap(info, in_dims, *args):
@@ -79,6 +163,7 @@ class AttentionBackward(torch.autograd.Function):
     """``(Q, K, V, dO) -> (dQ, dK, dV, Δ)`` with ``O`` and ``stats`` as constants."""
 
     @staticmethod
+    @_legacy_vmap_support
     def forward(q, k, v, do, o, stats, key_mask, causal: bool, scale: float, backend):
         return backend.backward(q, k, v, o, stats, do, causal=causal, scale=scale, key_mask=key_mask)
 
@@ -87,8 +172,9 @@ class AttentionBackward(torch.autograd.Function):
         q, k, v, do, o, stats, key_mask, ctx.causal, ctx.scale, ctx.backend = inputs
         delta = output[3]
         ctx.mark_non_differentiable(delta)
-        ctx.set_materialize_grads(False)  # absent cotangents stay None: BoB specialises on them
+        ctx.set_materialize_grads(False)  # absent cotangents and tangents stay None: the backends skip them
         ctx.save_for_backward(q, k, v, do, o, stats, delta, key_mask)
+        ctx.save_for_forward(q, k, v, do, o, stats, delta, key_mask)
 
     @staticmethod
     def backward(ctx, dq_bar, dk_bar, dv_bar, _delta_grad):
@@ -99,8 +185,12 @@ class AttentionBackward(torch.autograd.Function):
         return q_bar, k_bar, v_bar, do_bar, None, None, None, None, None, None
 
     @staticmethod
-    def jvp(ctx, *tangents):
-        raise RuntimeError(FORWARD_MODE_ERROR)
+    def jvp(ctx, q_dot, k_dot, v_dot, do_dot, *_):
+        q, k, v, do, o, stats, delta, key_mask = ctx.saved_tensors
+        dq_dot, dk_dot, dv_dot = AttentionBackwardTangent.apply(
+            q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, key_mask, ctx.causal, ctx.scale, ctx.backend
+        )
+        return dq_dot, dk_dot, dv_dot, None
 
     @staticmethod
     def vmap(info, in_dims, *args):
@@ -111,6 +201,7 @@ class BackwardOverBackward(torch.autograd.Function):
     """``(Q, K, V, dO; Ū, W̄, Z̄) -> (Q̄, K̄, V̄, dŌ)``, the closed-form BoB; not differentiable."""
 
     @staticmethod
+    @_legacy_vmap_support
     def forward(q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, key_mask, causal, scale, backend):
         return backend.bob(
             q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, causal=causal, scale=scale, key_mask=key_mask
@@ -122,16 +213,67 @@ class BackwardOverBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        raise RuntimeError(
-            "flashbob.attention is differentiable twice, not three times: the backward-over-backward "
-            "(BoB) has no derivative. Use flashbob.reference.attention for third-order derivatives "
-            "at small sizes."
-        )
+        raise RuntimeError(THIRD_ORDER_ERROR)
 
     @staticmethod
     def jvp(ctx, *tangents):
-        raise RuntimeError(FORWARD_MODE_ERROR)
+        raise RuntimeError(THIRD_ORDER_ERROR)
 
     @staticmethod
     def vmap(info, in_dims, *args):
         return _unfold(info, BackwardOverBackward.apply(*_fold(info, in_dims, args)))
+
+
+class AttentionTangent(torch.autograd.Function):
+    """``(Q, K, V; Q̇, K̇, V̇) -> Ȯ`` with ``O`` and ``stats`` as constants: ``Attention``'s jvp; not differentiable."""
+
+    @staticmethod
+    @_legacy_vmap_support
+    def forward(q, k, v, o, stats, q_dot, k_dot, v_dot, key_mask, causal, scale, backend):
+        return backend.forward_jvp(
+            q, k, v, o, stats, q_dot, k_dot, v_dot, causal=causal, scale=scale, key_mask=key_mask
+        )
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(TANGENT_ERROR)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(TANGENT_ERROR)
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return _unfold(info, AttentionTangent.apply(*_fold(info, in_dims, args)))
+
+
+class AttentionBackwardTangent(torch.autograd.Function):
+    """``(Q, K, V, dO; Q̇, K̇, V̇, dȮ) -> (dQ̇, dK̇, dV̇)`` with ``O``, ``stats``, ``Δ`` as constants:
+    ``AttentionBackward``'s jvp; not differentiable (a third derivative)."""
+
+    @staticmethod
+    @_legacy_vmap_support
+    def forward(q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, key_mask, causal, scale, backend):
+        return backend.backward_jvp(
+            q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, causal=causal, scale=scale, key_mask=key_mask
+        )
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(THIRD_ORDER_ERROR)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(THIRD_ORDER_ERROR)
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return _unfold(info, AttentionBackwardTangent.apply(*_fold(info, in_dims, args)))

@@ -2,13 +2,16 @@
 
 It runs the same algorithm as the Triton kernels, with panels instead of tiles: every pass
 sweeps the ``N x M`` score matrix one panel at a time (a block of rows, or of columns in the
-second BoB pass), so at most one ``block x M`` (or ``N x block``) slice of it exists at once and
-memory is linear in the sequence length. See ``bob-math.md`` for the formulas; names follow it:
+second pass of BoB and of the backward's JVP), so at most one ``block x M`` (or ``N x block``) slice
+of it exists at once and memory is linear in the sequence length. Each pass's docstring gives its
+formulas; the names are:
 
 * ``S = τ Q Kᵀ``, ``P = exp(S - lse)``, ``dP = dO Vᵀ``, ``Δ = rowsum(dO ∘ O)``, ``dS = P ∘ (dP - Δ)``
 * cotangents of the backward's outputs: ``Ū`` (for dQ), ``W̄`` (for dK), ``Z̄`` (for dV)
 * dual scores ``Ā = τ (Ū Kᵀ + Q W̄ᵀ)`` and ``B̄ = dO Z̄ᵀ``; row scalars ``A = rowsum(P ∘ Ā)`` and
   ``C = rowsum(P ∘ (dP - Δ) ∘ Ā) + rowsum(P ∘ B̄) - A Δ``
+* forward mode: tangents ``Q̇, K̇, V̇, dȮ`` of the inputs, ``Ṡ = τ (Q̇ Kᵀ + Q K̇ᵀ)``, row scalars
+  ``ṙ = rowsum(P ∘ Ṡ)`` (the tangent of ``lse``) and ``Δ̇`` (of ``Δ``), ``Ṗ = P ∘ (Ṡ - ṙ)``
 
 Grouped-query attention is handled by viewing the query heads as ``(kv_heads, group)`` and
 broadcasting keys and values over the group axis; gradients of keys and values sum over it.
@@ -18,7 +21,7 @@ Every pass normalises ``P`` by its own row sums ``σ = rowsum(exp(S - lse))`` (1
 of ``lse``) instead of trusting ``exp(S - lse)`` to sum to one: when scores are large (``|S| ~ 1e4``
 in float32, where ``lse`` is rounded by ~1e-3) an unnormalised ``P`` makes ``rowsum(dS)`` non-zero,
 and a component shared by all keys then leaks into ``dQ`` and BoB's outputs. Row sweeps see whole
-rows and compute ``σ`` themselves; BoB's column sweep reads the ``σ`` its row sweep stored.
+rows and compute ``σ`` themselves; column sweeps read the ``σ`` their row sweep stored.
 
 An optional boolean key-padding mask ``key_mask`` ``(batch, M)`` (True = keep) sets the scores of
 masked keys to ``-inf``. A row that sees no key gets ``lse = +inf`` (so that every later
@@ -156,7 +159,9 @@ def backward(q, k, v, o, lse, do, *, causal: bool, scale: float, block: int | No
 
 
 def _dual_scores(q, k, u_bar, w_bar, rows: slice, cols: slice, scale: float):
-    """``Ā = τ (Ū Kᵀ + Q W̄ᵀ)`` on one panel, or None when both cotangents are absent."""
+    """``Ā = τ (Ū Kᵀ + Q W̄ᵀ)`` on one panel, or None when both cotangents are absent.
+
+    The same bilinear form gives the tangents ``Ṡ = τ (Q̇ Kᵀ + Q K̇ᵀ)`` and ``dṖ = dȮ Vᵀ + dO V̇ᵀ``."""
     terms = []
     if u_bar is not None:
         terms.append(u_bar[..., rows, :] @ k[..., cols, :].transpose(-1, -2))
@@ -254,3 +259,153 @@ def bob(
             g_dp = p_a_bar - a_panel[..., None] * p
             v_bar[..., cols, :] = (g_dp.transpose(-1, -2) @ t["do"][..., rows, :]).sum(2, keepdim=True)
     return _ungroup(q_bar, q), k_bar.squeeze(2).to(k.dtype), v_bar.squeeze(2).to(v.dtype), _ungroup(do_bar, do)
+
+
+def _total(*terms):
+    """The sum of the terms that are present; None when every term is None (an absent, zero tangent)."""
+    present = [x for x in terms if x is not None]
+    return sum(present[1:], present[0]) if present else None
+
+
+def _matmul(a, b):
+    """``a @ b``, or None when either factor is absent."""
+    return None if a is None or b is None else a @ b
+
+
+def _part(x, index: slice):
+    """Rows ``index`` (along the sequence axis) of ``x``, or None when ``x`` is absent."""
+    return None if x is None else x[..., index, :]
+
+
+def _tangent_inputs(q, k, v, lse, q_dot, k_dot, v_dot, key_mask) -> dict:
+    """The grouped compute-dtype operands shared by both JVPs (see :func:`_grouped`, :func:`_kv`)."""
+    dtype, kv_heads = _compute_dtype(q), k.shape[1]
+    return {
+        "q": _grouped(q, kv_heads, dtype), "q_dot": _grouped(q_dot, kv_heads, dtype),
+        "lse": _grouped(lse, kv_heads, dtype),
+        "k": _kv(k, dtype), "k_dot": _kv(k_dot, dtype), "v": _kv(v, dtype), "v_dot": _kv(v_dot, dtype),
+        "key_mask": _key_mask(key_mask, q),
+    }
+
+
+def _tangent_panel(t: dict, rows: slice, cols: slice, causal: bool, scale: float):
+    """``P``, ``σ``, ``ṙ`` and ``Ṗ = P ∘ (Ṡ - ṙ)`` (the tangent of ``P``) of one panel, with
+    ``Ṡ = τ (Q̇ Kᵀ + Q K̇ᵀ)`` and ``ṙ = rowsum(P ∘ Ṡ)``; ``Ṗ`` is None (and ``ṙ = 0``) when ``Q̇`` and
+    ``K̇`` are absent.
+
+    ``σ`` and ``ṙ`` are taken from ``t`` when present (the column sweep reads what the row sweep
+    stored) and computed from the panel otherwise (row sweeps see whole rows). Masked entries have
+    ``P = 0``, so the value of ``Ṡ`` there does not matter.
+    """
+    scores = _scores(t["q"], t["k"], rows, cols, causal, scale, t["key_mask"])
+    p, sigma = _probabilities(scores, t["lse"][..., rows], t["sigma"][..., rows] if "sigma" in t else None)
+    s_dot = _dual_scores(t["q"], t["k"], t["q_dot"], t["k_dot"], rows, cols, scale)
+    if s_dot is None:
+        return p, sigma, torch.zeros_like(sigma), None
+    r_dot = t["r_dot"][..., rows] if "r_dot" in t else (p * s_dot).sum(-1)
+    return p, sigma, r_dot, p * (s_dot - r_dot[..., None])
+
+
+def _output_tangent(t: dict, p, p_dot, cols: slice):
+    """``Ȯ = Ṗ V + P V̇`` on one row panel (None when both terms are absent)."""
+    return _total(_matmul(p_dot, t["v"][..., cols, :]), _matmul(p, _part(t["v_dot"], cols)))
+
+
+def forward_jvp(
+    q, k, v, o, lse, q_dot, k_dot, v_dot, *, causal: bool, scale: float, block: int | None = None, key_mask=None
+):
+    """Tangent ``Ȯ`` of the attention output for tangents ``Q̇, K̇, V̇`` of ``Q, K, V`` (each possibly None = zero).
+
+    With ``Ṡ = τ (Q̇ Kᵀ + Q K̇ᵀ)`` and ``ṙ_i = Σ_j P_ij Ṡ_ij`` (the tangent of ``lse``)::
+
+        Ṗ = P ∘ (Ṡ - ṙ),    Ȯ = Ṗ V + P V̇  (= (P ∘ Ṡ) V - ṙ ∘ O + P V̇)
+
+    One sweep of row panels; each panel holds whole rows, so ``ṙ`` is subtracted before the product
+    with ``V`` (a component of ``Ṡ`` shared by a whole row cancels exactly) and the saved output ``o``
+    is not needed here (the Triton kernels, which stream the keys, use the right-hand form).
+    ``lse`` is the forward's statistics. Rows that see no key get ``Ȯ = 0``.
+    """
+    if q_dot is None and k_dot is None and v_dot is None:
+        return torch.zeros_like(q)
+    t = _tangent_inputs(q, k, v, lse, q_dot, k_dot, v_dot, key_mask)
+    n, m = q.shape[2], k.shape[2]
+    o_dot = torch.zeros_like(t["q"])
+    for rows in _panels(n, panel_size(n, m, t["q"].shape[:3].numel(), block)):
+        cols = _visible_keys(rows, m, causal)
+        p, _, _, p_dot = _tangent_panel(t, rows, cols, causal, scale)
+        o_dot[..., rows, :] = _output_tangent(t, p, p_dot, cols)
+    return _ungroup(o_dot, q)
+
+
+def _score_gradient_tangent(t: dict, rows: slice, cols: slice, p, p_dot, delta_dot):
+    """``dS = P ∘ (dP - Δ)`` and its tangent ``dṠ = Ṗ ∘ (dP - Δ) + P ∘ (dṖ - Δ̇)`` on one panel,
+    with ``dP = dO Vᵀ`` and ``dṖ = dȮ Vᵀ + dO V̇ᵀ``; ``delta_dot`` is ``Δ̇`` of the panel's rows."""
+    do = t["do"][..., rows, :]
+    dp_minus_delta = do @ t["v"][..., cols, :].transpose(-1, -2) - t["delta"][..., rows, None]
+    dp_dot = _dual_scores(t["do"], t["v"], t["do_dot"], t["v_dot"], rows, cols, 1.0)
+    inner = -delta_dot[..., None] if dp_dot is None else dp_dot - delta_dot[..., None]
+    ds_dot = p * inner if p_dot is None else p * inner + p_dot * dp_minus_delta
+    return p * dp_minus_delta, ds_dot
+
+
+def backward_jvp(
+    q, k, v, do, o, lse, delta, q_dot, k_dot, v_dot, do_dot, *, causal: bool, scale: float,
+    block: int | None = None, key_mask=None,
+):
+    """Tangents ``(dQ̇, dK̇, dV̇)`` of the first backward ``(Q, K, V, dO) -> (dQ, dK, dV)`` (forward-over-reverse).
+
+    ``o``, ``lse`` and ``Δ = delta`` are the saved forward and backward results, constants here: the
+    formulas include every path through them (``Ȯ`` is recomputed, as ``O`` enters the backward
+    detached). Any of the tangents ``Q̇, K̇, V̇, dȮ`` may be None (zero)::
+
+        Δ̇   = rowsum(dȮ ∘ O + dO ∘ Ȯ)
+        dṠ  = P ∘ ((Ṡ - ṙ) ∘ (dP - Δ) + dṖ - Δ̇)
+        dQ̇  = τ (dṠ K + dS K̇)
+        dK̇  = τ (dṠᵀ Q + dSᵀ Q̇)
+        dV̇  = Ṗᵀ dO + Pᵀ dȮ
+
+    (``Ṡ``, ``ṙ``, ``Ṗ``, ``Ȯ`` as in :func:`forward_jvp`; ``dṖ = dȮ Vᵀ + dO V̇ᵀ``). Two sweeps, as in
+    :func:`bob`: row panels compute ``ṙ``, ``Ȯ``, ``Δ̇`` and ``dQ̇`` and store ``ṙ``, ``Δ̇``, ``σ``
+    (``N`` floats each); column panels read them and accumulate ``dK̇`` and ``dV̇`` (summed over the
+    query heads of a group). Rows that see no key get zero tangents.
+    """
+    if q_dot is None and k_dot is None and v_dot is None and do_dot is None:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dtype, kv_heads, n, m = _compute_dtype(q), k.shape[1], q.shape[2], k.shape[2]
+    t = _tangent_inputs(q, k, v, lse, q_dot, k_dot, v_dot, key_mask)
+    t.update(
+        do=_grouped(do, kv_heads, dtype), do_dot=_grouped(do_dot, kv_heads, dtype),
+        delta=_grouped(delta, kv_heads, dtype),
+    )
+    og = _grouped(o, kv_heads, dtype)
+    batch_heads = t["q"].shape[:3].numel()
+    dq_dot = torch.zeros_like(t["q"])
+    r_dot, delta_dot, sigma = (torch.empty_like(t["delta"]) for _ in range(3))
+    for rows in _panels(n, panel_size(n, m, batch_heads, block)):
+        cols = _visible_keys(rows, m, causal)
+        p, sigma[..., rows], r_dot[..., rows], p_dot = _tangent_panel(t, rows, cols, causal, scale)
+        o_dot = _output_tangent(t, p, p_dot, cols)
+        delta_dot[..., rows] = _total(
+            None if o_dot is None else (t["do"][..., rows, :] * o_dot).sum(-1),
+            None if t["do_dot"] is None else (t["do_dot"][..., rows, :] * og[..., rows, :]).sum(-1),
+        )
+        ds, ds_dot = _score_gradient_tangent(t, rows, cols, p, p_dot, delta_dot[..., rows])
+        dq_dot[..., rows, :] = scale * _total(ds_dot @ t["k"][..., cols, :], _matmul(ds, _part(t["k_dot"], cols)))
+    t.update(r_dot=r_dot, delta_dot=delta_dot, sigma=sigma)
+    dk_dot = torch.zeros(t["q"].shape[:2] + t["k"].shape[2:], dtype=dtype, device=q.device)
+    dv_dot = torch.zeros_like(dk_dot)
+    for cols in _panels(m, panel_size(m, n, batch_heads, block)):
+        rows = _visible_queries(cols, n, causal)
+        p, _, _, p_dot = _tangent_panel(t, rows, cols, causal, scale)
+        ds, ds_dot = _score_gradient_tangent(t, rows, cols, p, p_dot, delta_dot[..., rows])
+        k_panel = _total(
+            ds_dot.transpose(-1, -2) @ t["q"][..., rows, :], _matmul(ds.transpose(-1, -2), _part(t["q_dot"], rows))
+        )
+        v_panel = _total(
+            None if p_dot is None else p_dot.transpose(-1, -2) @ t["do"][..., rows, :],
+            _matmul(p.transpose(-1, -2), _part(t["do_dot"], rows)),
+        )
+        dk_dot[..., cols, :] = scale * k_panel.sum(2, keepdim=True)
+        if v_panel is not None:
+            dv_dot[..., cols, :] = v_panel.sum(2, keepdim=True)
+    return _ungroup(dq_dot, q), dk_dot.squeeze(2).to(k.dtype), dv_dot.squeeze(2).to(v.dtype)

@@ -1,5 +1,6 @@
 """torch.func over flashbob.attention: grad, vjp, vmap over the batch (per-sample gradients and
-HVPs), jacrev; forward mode raises a clear error. Blocked backend, plus a Triton-interpreter case."""
+HVPs, reverse-over-reverse and forward-over-reverse), jacrev, per-sample jvp. Blocked backend, plus a
+Triton-interpreter case."""
 
 import pytest
 import torch
@@ -71,11 +72,21 @@ def test_triton_interpreter_grad_and_vmap(gen):
     close(got, vmap(grad(loss(ref), argnums=(0, 1, 2)))(q, k, v, keys))
 
 
-def test_forward_mode_raises_a_clear_error(gen):
-    q, k, v, keys = (x[0] for x in inputs(gen))
-    bob, _ = fns("blocked")
-    with pytest.raises(RuntimeError, match="does not support forward-mode AD"):
-        jvp(lambda q: bob(q, k, v, keys), (q,), (torch.ones_like(q),))
-    with pytest.raises(RuntimeError, match="forward-mode"), torch.autograd.forward_ad.dual_level():
-        dual = torch.autograd.forward_ad.make_dual(q, torch.ones_like(q))
-        bob(dual, k, v, keys)
+def test_vmap_over_samples_of_forward_mode(gen):
+    """Per-sample jvp and forward-over-reverse HVPs: primals, tangents and masks all batched by vmap
+    (tests/test_forward_mode.py checks forward mode itself)."""
+    q, k, v, keys = inputs(gen)
+    tangents = tuple(torch.randn(x.shape, generator=gen, dtype=x.dtype) for x in (q, k, v))
+    for causal in (False, True):
+        bob, ref = fns("blocked", causal)
+
+        def per_sample_jvp(fn):
+            return vmap(lambda q, k, v, keys, *t: jvp(lambda *a: fn(*a, keys), (q, k, v), t))(q, k, v, keys, *tangents)
+
+        def per_sample_hvp(fn):
+            def hvp(q, k, v, keys, *t):
+                return jvp(lambda *a: grad(loss(fn), argnums=(0, 1, 2))(*a, keys), (q, k, v), t)[1]
+            return vmap(hvp)(q, k, v, keys, *tangents)
+
+        close(per_sample_jvp(bob), per_sample_jvp(ref))
+        close(per_sample_hvp(bob), per_sample_hvp(ref))
