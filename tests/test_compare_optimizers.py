@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.environment import child_environment
+
 ROOT = Path(__file__).resolve().parent.parent
 MICRO = [
     "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "data.max_bytes=200000", "data.val_fraction=0.1",
@@ -22,7 +24,7 @@ def test_compare_optimizers_writes_csv_plots_and_table(tmp_path: Path) -> None:
         "--optimizers", "adamw", "sophiah", "--tokens", str(steps * tokens_per_step + 5),
         "--out-dir", str(tmp_path / "runs"), "--docs", str(tmp_path / "docs"), *MICRO,
     ]  # fmt: skip
-    done = subprocess.run(command, check=False, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    done = subprocess.run(command, check=False, cwd=ROOT, env=child_environment(),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
 

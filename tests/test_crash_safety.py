@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.environment import child_environment
 from recipes.common import run_folder
 from recipes.common.config import ConfigError
 from recipes.lm import checkpoint
@@ -42,7 +43,7 @@ def run_recipe(tmp_path: Path, *extra: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "recipes.lm", "--config", str(CONFIGS / "tiny.yaml"), *MICRO,
                f"out_dir={tmp_path}", "train.threads=1", *SLOW_WRITES, *extra]
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            env=child_environment())
 
 
 def kill_mid_write(tmp_path: Path, directory: Path, timeout: float = 120.0) -> Path:
@@ -262,7 +263,7 @@ def test_a_second_run_on_a_folder_in_use_is_refused_and_a_dead_runs_lock_taken_o
     run_dir, args = tmp_path / "tiny", [*CLI, f"out_dir={tmp_path}", "train.steps=2"]
     run_dir.mkdir()
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+                              env=child_environment())
     try:
         assert holder.stdout.readline() == b"locked\n"
         with pytest.raises(SystemExit) as exit_:

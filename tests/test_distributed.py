@@ -10,7 +10,6 @@ ranks of batch B match one process of batch 2B, and a resumed run continues exac
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from benchmarks.environment import child_environment
 from optim import AdaHessian, NewtonCG, SophiaG, SophiaH
 from optim import distributed as odist
 from recipes.lm import data
@@ -170,7 +170,7 @@ def launch(tmp_path: Path, nproc: int, *overrides: str) -> subprocess.CompletedP
     """``torchrun --nproc_per_node=nproc -m recipes.lm`` (or plain python for one process) with MICRO settings."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     prefix = torchrun if nproc > 1 else [sys.executable]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = child_environment(OMP_NUM_THREADS="1")
     args = [*prefix, "-m", "recipes.lm", "--config", str(ROOT / "configs/lm/tiny.yaml"), *MICRO,
             f"out_dir={tmp_path}", *overrides]
     done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
