@@ -282,3 +282,10 @@ def test_what_is_not_differentiable_raises_clearly(gen):
         jacrev(jacfwd(loss))(q)
     with pytest.raises(RuntimeError, match=again):  # forward over forward
         jacfwd(jacfwd(loss))(q)
+
+
+def test_nested_legacy_vmap_raises_clearly(gen):
+    (q, k, v, _), _, _ = random_case(gen, gqa=False, causal=False, masked=False, max_length=3)
+    nested = torch._vmap_internals._vmap(torch._vmap_internals._vmap(lambda q: flashbob.attention(q, k, v)))
+    with pytest.raises(RuntimeError, match="does not support nested legacy vmaps .* use torch.func.vmap"):
+        nested(q.expand(2, 3, *q.shape))
