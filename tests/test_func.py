@@ -9,6 +9,7 @@ from torch.func import grad, jacrev, jvp, vjp, vmap
 import flashbob
 from flashbob import reference
 from flashbob.kernels import configs
+from tests.helpers import INTERPRETED, KERNEL_DEVICE, needs_kernels, on_backend
 
 
 def inputs(gen, samples=3, batch=1, heads=2, kv_heads=1, n=6, m=5, d=4):
@@ -64,12 +65,14 @@ def test_vmap_forward_per_sample_grads_and_hvps(gen):
     close(vmap(lambda *a: hvp(bob, *a))(q, k, v, keys, tangent), vmap(lambda *a: hvp(ref, *a))(q, k, v, keys, tangent))
 
 
-def test_triton_interpreter_grad_and_vmap(gen):
+@needs_kernels
+def test_triton_kernels_grad_and_vmap(gen):
     q, k, v, keys = inputs(gen, samples=2, n=20, m=18, d=16)
     bob, ref = fns("triton", causal=True)
     with configs.override(block_m=16, block_n=16):
-        got = vmap(grad(loss(bob), argnums=(0, 1, 2)))(q, k, v, keys)
-    close(got, vmap(grad(loss(ref), argnums=(0, 1, 2)))(q, k, v, keys))
+        got = vmap(grad(loss(bob), argnums=(0, 1, 2)))(*on_backend("triton", q, k, v), keys.to(KERNEL_DEVICE))
+    want = vmap(grad(loss(ref), argnums=(0, 1, 2)))(q, k, v, keys)
+    close(tuple(x.cpu().double() for x in got), want, tol=1e-10 if INTERPRETED else 1e-5)
 
 
 def test_vmap_over_samples_of_forward_mode(gen):
