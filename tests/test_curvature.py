@@ -24,12 +24,14 @@ from optim import (
     HessianOperator,
     LossHessian,
     MSEHessian,
+    functional,
     ggnvp,
     hutchinson_diagonal,
     hvp,
     power_iteration,
     trace,
 )
+from tests.helpers import assert_matches, needs_interpreter
 from tests.models import MLP, TinyTransformer
 
 DTYPE = torch.float64
@@ -73,6 +75,13 @@ class Problem:
     def loss(self) -> Tensor:
         return self.loss_fn(self.outputs(), self.targets)
 
+    def loss_function(self) -> Callable[[tuple[Tensor, ...]], Tensor]:
+        """The loss as a function of parameter values (what ``mode="forward"`` takes)."""
+        return functional(self.model, self.loss, self.params)
+
+    def outputs_function(self) -> Callable[[tuple[Tensor, ...]], Tensor]:
+        return functional(self.model, self.outputs, self.params)
+
     def theta(self) -> Tensor:
         return flatten([p.detach() for p in self.reference.parameters()])
 
@@ -91,6 +100,17 @@ class Problem:
         F.layer_norm is wrong (an asymmetric result) when both the input and the weight depend on theta.
         """
         return jacfwd(grad(self.reference_loss))(self.theta())
+
+    def reference_hvp(self, vec: Tensor) -> Tensor:
+        """``H v`` for a flat ``v``, forward-over-reverse through torch.func on the reference model."""
+        return jvp(grad(self.reference_loss), (self.theta(),), (vec,))[1]
+
+    def reference_ggn(self, vec: Tensor) -> Tensor:
+        """``G v = J^T H_L J v`` for a flat ``v``, each factor by torch.func on the reference model."""
+        theta = self.theta()
+        outputs, jv = jvp(self.reference_outputs, (theta,), (vec,))
+        hjv = jvp(grad(lambda z: self.loss_fn(z, self.targets)), (outputs,), (jv,))[1]
+        return torch.func.vjp(self.reference_outputs, theta)[1](hjv)[0]
 
     def dense_ggn(self) -> Tensor:
         theta = self.theta()
@@ -420,7 +440,7 @@ def test_ggnvp_from_the_loss_graph_matches_dense_jacobian_product(problem: Probl
 
 
 def test_ggnvp_needs_a_loss_or_a_loss_hessian(mlp: Problem) -> None:
-    with pytest.raises(ValueError, match="needs the loss, or a closed-form loss_hessian"):
+    with pytest.raises(ValueError, match="needs the loss and the outputs it was computed from, or a loss_hessian"):
         ggnvp(None, mlp.outputs(), mlp.params, mlp.random_vec())
 
 
@@ -449,6 +469,204 @@ def test_ggn_equals_hessian_for_a_linear_model() -> None:
     hess = HessianOperator(F.cross_entropy(outputs, targets), list(model.parameters()))
     eye = torch.eye(ggn.shape[0], dtype=DTYPE)
     torch.testing.assert_close(ggn @ eye, hess @ eye, **TOL)
+
+
+# --- Forward mode (forward-over-reverse HVP, forward-mode J v) --------------------------------------
+# The transformer problems run flashbob.attention's forward-mode rules (blocked backend).
+
+MODES = ["reverse", "forward"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_hvp_modes_match_torch_func(problem: Problem, mode: str) -> None:
+    vec = problem.random_vec()
+    product = hvp(problem.loss_function(), problem.params, vec, mode=mode)
+    torch.testing.assert_close(flatten(product), problem.reference_hvp(flatten(vec)), **TOL)
+
+
+def test_hvp_modes_agree(problem: Problem) -> None:
+    vec = problem.random_vec(3)
+    forward = hvp(problem.loss_function(), problem.params, vec, mode="forward")
+    reverse = hvp(problem.loss(), problem.params, vec)
+    assert_matches(flatten(forward), flatten(reverse), 1e-12, "forward-over-reverse vs reverse-over-reverse")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_hessian_operator_modes_match_torch_func(problem: Problem, mode: str) -> None:
+    op = HessianOperator(problem.loss_function(), problem.params, mode=mode)
+    columns = torch.randn(problem.n, 2, dtype=DTYPE, generator=torch.Generator().manual_seed(4))
+    expected = torch.stack([problem.reference_hvp(column) for column in columns.T], dim=1)
+    torch.testing.assert_close(op @ columns, expected, **TOL)
+    expected_gradient = grad(problem.reference_loss)(problem.theta())
+    torch.testing.assert_close(flatten(op.gradient), expected_gradient, **TOL)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ggn_operator_modes_match_torch_func(problem: Problem, mode: str) -> None:
+    op = GGNOperator(problem.outputs_function(), problem.params, problem.loss_hessian, mode=mode)
+    vec = problem.random_vec(5)
+    expected_jvp = jvp(problem.reference_outputs, (problem.theta(),), (flatten(vec),))[1]
+    torch.testing.assert_close(op.jvp(vec), expected_jvp, **TOL)
+    columns = torch.randn(problem.n, 2, dtype=DTYPE, generator=torch.Generator().manual_seed(6))
+    expected = torch.stack([problem.reference_ggn(column) for column in columns.T], dim=1)
+    torch.testing.assert_close(op @ columns, expected, **TOL)
+
+
+def test_ggnvp_modes_agree(problem: Problem) -> None:
+    vec = problem.random_vec(7)
+    forward = ggnvp(None, problem.outputs_function(), problem.params, vec, problem.loss_hessian, mode="forward")
+    reverse = ggnvp(None, problem.outputs(), problem.params, vec, problem.loss_hessian)
+    assert_matches(flatten(forward), flatten(reverse), 1e-12, "forward-mode GGN vs double-vjp GGN")
+
+
+def test_forward_mode_treats_frozen_and_unused_params_as_constants() -> None:
+    generator = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 4, dtype=DTYPE, generator=generator, requires_grad=True)
+    frozen = torch.randn(4, dtype=DTYPE, generator=generator)
+    unused = torch.randn(2, dtype=DTYPE, generator=generator, requires_grad=True)
+    x = torch.randn(5, 3, dtype=DTYPE, generator=generator)
+
+    def loss_of(values: tuple[Tensor, ...]) -> Tensor:
+        weight, bias, _ = values
+        return torch.tanh(x @ weight + bias).pow(3).sum()
+
+    vec = [torch.randn(p.shape, dtype=DTYPE, generator=generator) for p in (w, frozen, unused)]
+    hw, hfrozen, hunused = hvp(loss_of, [w, frozen, unused], vec, mode="forward")
+    expected = hessian(lambda flat: loss_of((flat.view(3, 4), frozen, unused)))(w.detach().reshape(-1))
+    torch.testing.assert_close(hw.reshape(-1), expected @ vec[0].reshape(-1), **TOL)
+    assert not hfrozen.any() and not hunused.any()
+    affine = GGNOperator(lambda values: x @ values[0] + values[1], [w, frozen], MSEHessian(), mode="forward")
+    torch.testing.assert_close(affine.jvp(vec[:2]), x @ vec[0], **TOL)
+
+
+def test_forward_mode_hvp_of_a_loss_linear_in_the_params_is_zero() -> None:
+    w = torch.randn(4, dtype=DTYPE, requires_grad=True)
+    (product,) = hvp(lambda values: (3.0 * values[0]).sum(), [w], [torch.ones(4, dtype=DTYPE)], mode="forward")
+    assert product.shape == (4,) and not product.any()
+
+
+def test_forward_mode_leaves_the_parameters_alone(problem: Problem) -> None:
+    before = [p.detach().clone() for p in problem.params]
+    hvp(problem.loss_function(), problem.params, problem.random_vec(), mode="forward")
+    GGNOperator(problem.outputs_function(), problem.params, problem.loss_hessian, mode="forward") @ problem.random_vec()
+    for p, old in zip(problem.params, before):
+        assert p.requires_grad and p.is_leaf and p.grad is None
+        torch.testing.assert_close(p.detach(), old, rtol=0, atol=0)
+    assert not problem.loss().isnan()  # the module still runs on its own parameters
+
+
+@pytest.mark.usefixtures("no_gc")
+def test_forward_mode_hvp_keeps_no_graph_alive(problem: Problem) -> None:
+    with tracked_saved_tensors() as refs:
+        product = hvp(problem.loss_function(), problem.params, problem.random_vec(), mode="forward")
+    assert len(refs) > 0, "nothing was saved: the check below would be vacuous"
+    assert alive(refs) == 0, "a graph outlived the forward-over-reverse product"
+    assert all(h.grad_fn is None for h in product)
+
+
+@pytest.mark.usefixtures("no_gc")
+def test_forward_mode_ggn_jvp_saves_nothing_and_the_operator_holds_only_the_forward_graph(problem: Problem) -> None:
+    with tracked_saved_tensors() as refs:
+        op = GGNOperator(problem.outputs_function(), problem.params, problem.loss_hessian, mode="forward")
+        forward = len(refs)
+        op.jvp(problem.random_vec())
+        assert len(refs) == forward, "the forward-mode J v saved tensors for a backward"
+        op @ problem.random_vec(1)
+        assert alive(refs) == forward, "a product left a graph behind"
+    assert forward > 0
+    del op
+    assert alive(refs) == 0
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda p: hvp(p.loss(), p.params, p.random_vec(), mode="sideways"),
+        lambda p: HessianOperator(p.loss(), p.params, mode="backward"),
+        lambda p: GGNOperator(p.outputs(), p.params, p.loss_hessian, mode="Forward"),
+        lambda p: ggnvp(None, p.outputs(), p.params, p.random_vec(), p.loss_hessian, mode=None),
+    ],
+    ids=["hvp", "HessianOperator", "GGNOperator", "ggnvp"],
+)
+def test_unknown_mode_is_rejected(mlp: Problem, call) -> None:
+    with pytest.raises(ValueError, match="mode must be 'reverse' or 'forward', got"):
+        call(mlp)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda p: hvp(p.loss(), p.params, p.random_vec(), mode="forward"),
+        lambda p: HessianOperator(p.loss(), p.params, mode="forward"),
+        lambda p: GGNOperator(p.outputs(), p.params, p.loss_hessian, mode="forward"),
+    ],
+    ids=["hvp", "HessianOperator", "GGNOperator"],
+)
+def test_forward_mode_refuses_a_computed_tensor(mlp: Problem, call) -> None:
+    with pytest.raises(TypeError, match=r"mode='forward'\) needs the (loss|outputs) as a function of the parameter values"):
+        call(mlp)
+
+
+def test_forward_mode_hvp_refuses_reverse_mode_options(mlp: Problem) -> None:
+    loss = mlp.loss_function()
+    with pytest.raises(ValueError, match="grads and retain_graph are for mode='reverse'"):
+        hvp(loss, mlp.params, mlp.random_vec(), grads=[None] * len(mlp.params), mode="forward")
+    with pytest.raises(ValueError, match="grads and retain_graph are for mode='reverse'"):
+        hvp(loss, mlp.params, mlp.random_vec(), retain_graph=True, mode="forward")
+
+
+class _NoForwardRule(torch.autograd.Function):
+    """``x ** 2`` with a backward but no ``jvp``: an operation without a forward-mode rule."""
+
+    @staticmethod
+    def forward(x: Tensor) -> Tensor:
+        return x**2
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad_output
+
+
+def test_forward_mode_explains_an_operation_without_a_forward_rule() -> None:
+    w = torch.randn(3, dtype=DTYPE, requires_grad=True)
+    vec = [torch.ones(3, dtype=DTYPE)]
+    with pytest.raises(NotImplementedError, match="mode='forward' needs a forward-mode derivative") as error:
+        hvp(lambda values: _NoForwardRule.apply(values[0]).sum(), [w], vec, mode="forward")
+    assert "jvp" in str(error.value.__cause__)  # PyTorch's own message is kept as the cause
+    op = GGNOperator(lambda values: _NoForwardRule.apply(values[0]), [w], MSEHessian(), mode="forward")
+    with pytest.raises(NotImplementedError, match="Use mode='reverse'"):
+        op.jvp(vec)
+
+
+def test_ggnvp_with_an_outputs_function_needs_a_loss_hessian(mlp: Problem) -> None:
+    with pytest.raises(ValueError, match="or a loss_hessian"):
+        ggnvp(mlp.loss(), mlp.outputs_function(), mlp.params, mlp.random_vec(), mode="forward")
+
+
+def test_functional_keeps_tied_parameters_tied() -> None:
+    torch.manual_seed(0)
+    embed = nn.Embedding(5, 3, dtype=DTYPE)
+    head = nn.Linear(3, 5, bias=False, dtype=DTYPE)
+    head.weight = embed.weight
+    model = nn.Sequential(embed, head)
+    tokens = torch.tensor([0, 3, 4])
+    outputs = functional(model, lambda: model(tokens))
+    (weight,) = model.parameters()
+    other = torch.randn_like(weight)
+    torch.testing.assert_close(outputs([other]), other[tokens] @ other.T, rtol=0, atol=0)
+    torch.testing.assert_close(model(tokens), weight[tokens] @ weight.T, rtol=0, atol=0)
+
+
+def test_functional_rejects_tensors_that_are_not_parameters_of_the_module(mlp: Problem) -> None:
+    with pytest.raises(ValueError, match=r"params \[1\] are not parameters of the module MLP"):
+        functional(mlp.model, mlp.outputs, [mlp.params[0], torch.zeros(3)])
+    with pytest.raises(ValueError, match=f"expected {len(mlp.params)} values, one per parameter, got 1"):
+        mlp.outputs_function()(mlp.params[:1])
 
 
 # --- Hutchinson diagonal and trace -----------------------------------------------------------------
@@ -598,6 +816,7 @@ def test_to_scipy_matches_the_dense_hessian(mlp: Problem, mlp_hessian: Tensor) -
     assert top == pytest.approx(float(torch.linalg.eigvalsh(mlp_hessian)[-1]), rel=1e-8)
 
 
+@needs_interpreter
 def test_products_through_the_triton_kernels_match_naive_attention() -> None:
     """HVP and GGN products of a GQA transformer whose attention runs the Triton kernels (in the
     interpreter) equal those of the same weights with naive attention, in float64."""
