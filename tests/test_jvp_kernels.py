@@ -183,9 +183,11 @@ def test_float16_no_worse_than_eager(gen, causal, small_tiles):
 
 def test_one_hot_rows_half_precision(gen, small_tiles):
     """Rows that see one key (batch element 1 keeps key 0 only) in float16: there O-dot is V-dot of that key
-    and dQ-dot, dK-dot vanish, which eager float16 forward mode gets exactly. The kernels subtract
-    O times the sum of the rounded matmul operands P∘S-dot, so this cancels exactly too; with the
-    float32 r-dot instead, O-dot was off by 3e-4 and dQ-dot, dK-dot by 2e-3 to 6e-3 (through Delta-dot)."""
+    and dQ-dot, dK-dot vanish, which eager float16 forward mode gets exactly. forward_jvp subtracts
+    O times the sum of the rounded matmul operands P∘S-dot, so this cancels exactly too (with the
+    float32 r-dot instead, O-dot was off by 3e-4); backward_jvp sums Delta-dot from P∘S-dot∘(dP - Delta) in
+    float32, where dP - Delta vanishes on such rows (when it went through the rounded O-dot with the float32
+    r-dot, dQ-dot and dK-dot were off by 2e-3 to 6e-3)."""
     shape = (2, 1, 1, 24, 24, 32)
     key_mask = torch.rand(2, 24, generator=gen) > 0.3
     key_mask[:, 0], key_mask[1, 1:] = True, False

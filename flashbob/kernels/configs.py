@@ -63,15 +63,18 @@ SPACES = {
                               (32, 64, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)),
     "bob_cols": _space((64, 32, 4, 2), (64, 32, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2),
                        (64, 128, 8, 2), (32, 32, 8, 1), (16, 16, 4, 1)),
-    # forward mode (kernels/jvp.py): untuned guesses, ordered like the row sweeps and columns of BoB
-    "jvp_fwd": _space((128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2), (64, 128, 8, 2),
+    # forward mode (kernels/jvp.py): the first candidate that fits is what autotuning picked on the H200 (bf16,
+    # H = 16, N = 16K, causal and not; 2026-12-01) for d = 64; for d = 128, fits() prunes the first ones (3
+    # stages of jvp_fwd/jvp_rows do not fit in shared memory, 64-key/64-query score tiles of jvp_dq/jvp_cols
+    # spill) and the next is the d = 128 pick
+    "jvp_fwd": _space((128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (128, 128, 8, 3),
                       (32, 64, 4, 2), (32, 32, 4, 1), (16, 16, 4, 1)),
-    "jvp_rows": _space((128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2), (64, 128, 8, 2),
+    "jvp_rows": _space((128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2),
                        (32, 64, 4, 2), (32, 32, 4, 1), (16, 16, 4, 1)),
-    "jvp_dq": _space((64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2),
-                     (32, 64, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)),
-    "jvp_cols": _space((64, 32, 4, 2), (64, 32, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2),
-                       (64, 128, 8, 2), (32, 32, 8, 1), (16, 16, 4, 1)),
+    "jvp_dq": _space((128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2),
+                     (128, 32, 8, 2), (64, 32, 4, 3), (32, 64, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)),
+    "jvp_cols": _space((64, 64, 4, 2), (32, 128, 8, 3), (32, 128, 8, 2), (64, 64, 4, 3), (16, 128, 8, 2),
+                       (64, 128, 8, 2), (32, 64, 4, 2), (32, 32, 8, 1), (16, 16, 4, 1)),
 }
 KERNELS = tuple(SPACES)
 
@@ -88,10 +91,12 @@ _FOOTPRINT = {
     "bob_rows_q_bar": (1, 3, 5, 4),
     "bob_rows_do_bar": (1, 2, 3, 4),
     "bob_cols": (2, 4, 5, 3),
-    "jvp_fwd": (1, 2, 3, 4),
-    "jvp_rows": (1, 2, 3, 4),
-    "jvp_dq": (1, 4, 5, 4),
-    "jvp_cols": (2, 4, 5, 4),
+    # forward mode: fitted to the H200's compiler reports (registers, shared memory: the q-side tiles of
+    # the row sweeps sit in shared memory, counted as streamed tiles here)
+    "jvp_fwd": (1, 2, 3, 5),
+    "jvp_rows": (0, 3, 4, 5),
+    "jvp_dq": (1, 3, 5, 6),
+    "jvp_cols": (2, 2, 4, 4),
 }
 COLUMN_KERNELS = ("dkdv", "bob_cols", "jvp_cols")  # outer block of keys (block_n), inner of queries
 MAX_REGISTERS_PER_THREAD = 256  # sm_90 has 255 per thread: over this estimate a config cannot fit
