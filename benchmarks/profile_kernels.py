@@ -11,7 +11,10 @@ For every workload and causal flag, each through ``flashbob.attention``: ``--war
 (compilation and autotuning), one run that records every Triton launch, then ``--iters`` runs
 under ``torch.profiler`` (CUDA activity). Kernel times are aggregated by kernel name (Triton names
 a kernel after its ``@triton.jit`` function, e.g. ``_bob_rows_kernel``): calls per iteration,
-median time per call, total time per iteration and its share of the iteration's kernel time.
+median time per call, total time per iteration and its share of the iteration's kernel time. BoB's
+three row sweeps are launches of that one kernel, told apart by its ``SWEEP`` flag (``bob_scalars``,
+``bob_q_bar``, ``bob_do_bar``: their config keys in ``flashbob/kernels/configs.py``), so their times
+are added up and the compiler facts are those of the last launch.
 Kernels that are not Triton's (PyTorch fills, copies, reductions) are listed too.
 
 For each Triton kernel, the compiler facts of the variant that actually ran (the last launch of

@@ -21,6 +21,7 @@ from .common import (
     operand,
     probabilities,
     probabilities_transposed,
+    query_block,
     row_block_key_ranges,
     row_vector_pointer,
     softmax_stats,
@@ -33,9 +34,10 @@ from .common import (
 @triton.jit
 def _delta_kernel(
     O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don, heads, N,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    r""":math:`\Delta_i = dO_i \cdot O_i` (:math:`= \sum_j P_{ij}\, dP_{ij}`) for one query block."""
+    r""":math:`\Delta_i = dO_i \cdot O_i` (:math:`= \sum_j P_{ij}\, dP_{ij}`) for one query block (no key
+    blocks: ``BLOCK_N``, which :func:`~flashbob.kernels.configs.launch` passes to every kernel, is unused)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     batch_head = tl.program_id(1)
     batch, head = batch_head // heads, batch_head % heads
@@ -62,9 +64,8 @@ def _dkdv_inner(
         do = load_tile(do_base, rows, N, stride_don, HEAD_DIM, BLOCK_D)
         row_max, log_sum = load_softmax_stats(stats_base, rows, N)
         delta = tl.load(delta_base + rows, mask=rows < N, other=0.0)
-        p_t = probabilities_transposed(
-            k, q, row_max, log_sum, rows, keys, qk_scale, MASK_CAUSAL, PRECISION, key_mask_base, M, HAS_KEY_MASK
-        )
+        p_t = probabilities_transposed(k, q, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
+                                       MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -132,7 +133,8 @@ def _dq_inner(
         keys = start_n + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, keys, M, stride_kn, HEAD_DIM, BLOCK_D)
         v = load_tile(v_base, keys, M, stride_vn, HEAD_DIM, BLOCK_D)
-        p = probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, MASK_CAUSAL, PRECISION, key_mask_base, HAS_KEY_MASK)
+        p = probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
+                          MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
@@ -149,15 +151,11 @@ def _dq_kernel(
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
     r""":math:`dQ = \tau\, dS K` of one query block, key blocks split as in the forward."""
-    start_m = tl.program_id(0) * BLOCK_M
-    batch_head = tl.program_id(1)
-    batch, head = batch_head // heads, batch_head % heads
-    kv_head = head // group
+    start_m, rows, batch_head, batch, head, kv_head = query_block(heads, group, BLOCK_M)
     k_base = head_pointer(K, batch, kv_head, stride_kb, stride_kh)
     v_base = head_pointer(V, batch, kv_head, stride_vb, stride_vh)
     key_mask_base = key_mask_pointer(KEY_MASK, batch, M)
 
-    rows = start_m + tl.arange(0, BLOCK_M)
     q = load_tile(head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM, BLOCK_D)
     do = load_tile(head_pointer(DO, batch, head, stride_dob, stride_doh), rows, N, stride_don, HEAD_DIM, BLOCK_D)
     row_max, log_sum = load_softmax_stats(softmax_stats_pointer(STATS, batch_head, N), rows, N)
@@ -211,10 +209,9 @@ def backward(
     precision = dot_precision(q.dtype, allow_tf32)
     qk_scale = scale * LOG2E.value
 
-    config = configs.choose("delta", head_dim, q.dtype)
-    _delta_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads)](
-        o, do, delta, *strides(o), *strides(do), heads, n, **shape, BLOCK_M=config.block_m,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+    configs.launch(
+        "delta", _delta_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads),
+        o, do, delta, *strides(o), *strides(do), heads, n, head_dim=head_dim, dtype=q.dtype, length=n, **shape,
     )
     configs.launch(
         "dkdv", _dkdv_kernel, lambda meta: (triton.cdiv(m, meta["BLOCK_N"]), batch * kv_heads),

@@ -19,6 +19,17 @@ LOG2E = tl.constexpr(math.log2(math.e))
 
 
 @triton.jit
+def query_block(heads, group, BLOCK_M: tl.constexpr):
+    """Where a row kernel's program works (grid: query blocks x ``batch * heads``): its first query
+    ``start_m``, its query ``rows``, ``batch_head = batch * heads + head``, ``batch``, ``head`` and the
+    kv head it reads (``group`` query heads share one)."""
+    start_m = tl.program_id(0) * BLOCK_M
+    batch_head = tl.program_id(1)
+    batch, head = batch_head // heads, batch_head % heads
+    return start_m, start_m + tl.arange(0, BLOCK_M), batch_head, batch, head, head // group
+
+
+@triton.jit
 def head_pointer(X, batch, head, stride_batch, stride_head):
     """Pointer to the ``(rows, head_dim)`` matrix of one (batch, head), offsets in int64."""
     return X + batch.to(tl.int64) * stride_batch + head.to(tl.int64) * stride_head
@@ -107,7 +118,7 @@ def kept_keys(key_mask_base, keys, M):
 
 
 @triton.jit
-def visible_keys(rows, keys, M, MASK_CAUSAL: tl.constexpr, key_mask_base, HAS_KEY_MASK: tl.constexpr):
+def visible_keys(rows, keys, M, key_mask_base, MASK_CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr):
     """``(rows, keys)`` mask of the scores a row kernel keeps: keys in range and, on diagonal
     tiles, only key ``j <= i`` for query ``i``; with a key-padding mask, only kept keys."""
     mask = keys[None, :] < M
@@ -120,20 +131,21 @@ def visible_keys(rows, keys, M, MASK_CAUSAL: tl.constexpr, key_mask_base, HAS_KE
 
 @triton.jit
 def probabilities(
-    q, k, row_max, log_sum, rows, keys, M, qk_scale, MASK_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-    key_mask_base, HAS_KEY_MASK: tl.constexpr,
+    q, k, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
+    MASK_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
     r"""Tile :math:`P_{ij} = 2^{(s_{ij} - m_i) - \log_2 \ell_i}` of a row kernel (:func:`load_softmax_stats`),
     zero for invisible keys; ``qk_scale`` is :math:`\tau \log_2 e`."""
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    scores = tl.where(visible_keys(rows, keys, M, MASK_CAUSAL, key_mask_base, HAS_KEY_MASK), scores, float("-inf"))
+    visible = visible_keys(rows, keys, M, key_mask_base, MASK_CAUSAL=MASK_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK)
+    scores = tl.where(visible, scores, float("-inf"))
     return tl.exp2((scores - row_max[:, None]) - log_sum[:, None])
 
 
 @triton.jit
 def probabilities_transposed(
-    k, q, row_max, log_sum, rows, keys, qk_scale, MASK_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-    key_mask_base, M, HAS_KEY_MASK: tl.constexpr,
+    k, q, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
+    MASK_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
     r"""Tile :math:`P^\top` (keys by queries) of a column kernel. Keys past M need no mask (their
     rows are never stored); queries past N come with ``row_max = +inf`` (:func:`load_softmax_stats`)
@@ -144,6 +156,45 @@ def probabilities_transposed(
     if HAS_KEY_MASK:
         scores = tl.where(kept_keys(key_mask_base, keys, M)[:, None], scores, float("-inf"))
     return tl.exp2((scores - row_max[None, :]) - log_sum[None, :])
+
+
+@triton.jit
+def optional_tile(X, rows, n_rows, stride_row, placeholder, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  PRESENT: tl.constexpr):
+    """:func:`load_tile` of an operand that may be absent (a cotangent or tangent that is zero);
+    ``placeholder``, which the caller never reads, when it is."""
+    if PRESENT:
+        tile = load_tile(X, rows, n_rows, stride_row, HEAD_DIM, BLOCK_D)
+    else:
+        tile = placeholder
+    return tile
+
+
+@triton.jit
+def tile_product(x, y, TRANSPOSED: tl.constexpr, PRECISION: tl.constexpr):
+    r"""The tile :math:`x y^\top` of a block of query-side rows ``x`` and key-side rows ``y``
+    (queries by keys), or its transpose :math:`y x^\top` (keys by queries) when ``TRANSPOSED``."""
+    if TRANSPOSED:
+        product = tl.dot(y, tl.trans(x), input_precision=PRECISION)
+    else:
+        product = tl.dot(x, tl.trans(y), input_precision=PRECISION)
+    return product
+
+
+@triton.jit
+def bilinear_tile(x, dx, y, dy, HAS_DX: tl.constexpr, HAS_DY: tl.constexpr, TRANSPOSED: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    r"""The tile :math:`dx\, y^\top + x\, dy^\top` (:func:`tile_product`'s orientation): the change of
+    :math:`x y^\top` along :math:`(dx, dy)`, e.g. BoB's dual scores :math:`\bar U K^\top + Q \bar W^\top` or
+    forward mode's :math:`\dot Q K^\top + Q \dot K^\top`. An absent direction's term is compiled out; at
+    least one of ``HAS_DX``, ``HAS_DY`` must hold."""
+    if HAS_DX:
+        product = tile_product(dx, y, TRANSPOSED=TRANSPOSED, PRECISION=PRECISION)
+        if HAS_DY:
+            product += tile_product(x, dy, TRANSPOSED=TRANSPOSED, PRECISION=PRECISION)
+    else:
+        product = tile_product(x, dy, TRANSPOSED=TRANSPOSED, PRECISION=PRECISION)
+    return product
 
 
 # ----------------------------------------------------------------------------- host helpers

@@ -47,20 +47,14 @@ SPACES = {
                  (64, 128, 8, 2), (32, 32, 8, 1), (16, 16, 4, 1)),
     "dkdv": _space((32, 64, 4, 2), (32, 64, 8, 2), (64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2),
                    (64, 64, 4, 3), (32, 32, 8, 1), (16, 16, 4, 1)),
-    "bob_rows": _space((32, 64, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2),
-                       (64, 32, 4, 2), (128, 32, 8, 2), (16, 32, 8, 2), (16, 16, 4, 1)),
-    # three-pass schedule (bob_schedule): the scalar sweep keeps no d-vector accumulator, the direct
-    # row sweep two; untuned guesses, ordered like the row sweeps of the forward and dQ.
+    # BoB's sweeps (kernels/bob.py): the scalar sweep keeps no d-vector accumulator, the Q-bar and
+    # dO-bar sweeps one each; the first candidates are the H200's picks (d = 128, bf16, N = 16K)
     "bob_scalars": _space((128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2), (64, 128, 8, 2),
                           (32, 64, 4, 2), (32, 32, 4, 1), (16, 16, 4, 1)),
-    "bob_rows_direct": _space((32, 32, 4, 2), (64, 64, 8, 2), (64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2),
-                              (32, 64, 8, 2), (16, 32, 8, 2), (16, 16, 4, 1)),
-    # four-pass schedule: the direct row sweep split in two, one accumulator each; the first
-    # candidates are the H200's picks (d = 128, bf16, N = 16K, causal and not)
-    "bob_rows_q_bar": _space((64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2),
-                             (32, 64, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)),
-    "bob_rows_do_bar": _space((128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2),
-                              (32, 64, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)),
+    "bob_q_bar": _space((64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2),
+                        (32, 64, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)),
+    "bob_do_bar": _space((128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2),
+                         (32, 64, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)),
     "bob_cols": _space((64, 32, 4, 2), (64, 32, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2),
                        (64, 128, 8, 2), (32, 32, 8, 1), (16, 16, 4, 1)),
     # forward mode (kernels/jvp.py): the first candidate that fits is what autotuning picked on the H200 (bf16,
@@ -85,11 +79,9 @@ _FOOTPRINT = {
     "delta": (0, 2, 0, 0),
     "dq": (1, 2, 3, 2),
     "dkdv": (2, 2, 3, 2),
-    "bob_rows": (4, 3, 5, 4),
     "bob_scalars": (0, 3, 5, 4),
-    "bob_rows_direct": (2, 3, 5, 4),
-    "bob_rows_q_bar": (1, 3, 5, 4),
-    "bob_rows_do_bar": (1, 2, 3, 4),
+    "bob_q_bar": (1, 3, 5, 4),
+    "bob_do_bar": (1, 2, 3, 4),
     "bob_cols": (2, 4, 5, 3),
     # forward mode: fitted to the H200's compiler reports (registers, shared memory: the q-side tiles of
     # the row sweeps sit in shared memory, counted as streamed tiles here)
@@ -103,20 +95,6 @@ MAX_REGISTERS_PER_THREAD = 256  # sm_90 has 255 per thread: over this estimate a
 MAX_SHARED_BYTES = 220 * 1024  # sm_90 allows 227 KiB per block
 
 _overrides: dict[str, int] = {}
-
-BOB_SCHEDULES = ("two_pass", "three_pass", "four_pass")
-# four-pass: BoB 12-13% faster than three-pass on the H200 (which was 11-22% faster than two-pass and
-# forms one-hot rows without cancellation, as four-pass does); docs/performance.md
-DEFAULT_BOB_SCHEDULE = "four_pass"
-
-
-def bob_schedule() -> str:
-    """The schedule of the BoB kernels: ``FLASHBOB_BOB_SCHEDULE`` if set, else :data:`DEFAULT_BOB_SCHEDULE`."""
-    schedule = os.environ.get("FLASHBOB_BOB_SCHEDULE", DEFAULT_BOB_SCHEDULE)
-    if schedule not in BOB_SCHEDULES:
-        raise ValueError(f"FLASHBOB_BOB_SCHEDULE must be one of {BOB_SCHEDULES}; got {schedule!r}")
-    return schedule
-
 
 def fits(kernel: str, config: BlockConfig, head_dim: int, dtype: torch.dtype) -> bool:
     """Rough register and shared-memory budget of ``config``: configs that cannot fit are pruned."""

@@ -18,6 +18,7 @@ from .common import (
     key_mask_pointer,
     load_tile,
     operand,
+    query_block,
     row_block_key_ranges,
     softmax_stats_pointer,
     store_tile,
@@ -46,7 +47,8 @@ def _forward_inner(
         k = load_tile(k_base, keys, M, stride_kn, HEAD_DIM, BLOCK_D)
         v = load_tile(v_base, keys, M, stride_vn, HEAD_DIM, BLOCK_D)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        scores = tl.where(visible_keys(rows, keys, M, MASK_CAUSAL, key_mask_base, HAS_KEY_MASK), scores, float("-inf"))
+        visible = visible_keys(rows, keys, M, key_mask_base, MASK_CAUSAL=MASK_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK)
+        scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         if HAS_KEY_MASK:
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -73,15 +75,11 @@ def _forward_kernel(
     (:func:`~flashbob.kernels.common.load_softmax_stats`) for one query block; causal: key blocks right
     of the diagonal are skipped, diagonal ones masked. Rows that see no key (key-padding mask) store
     :math:`O_i = 0` and :math:`(+\infty, 0)`."""
-    start_m = tl.program_id(0) * BLOCK_M
-    batch_head = tl.program_id(1)
-    batch, head = batch_head // heads, batch_head % heads
-    kv_head = head // group
+    start_m, rows, batch_head, batch, head, kv_head = query_block(heads, group, BLOCK_M)
     k_base = head_pointer(K, batch, kv_head, stride_kb, stride_kh)
     v_base = head_pointer(V, batch, kv_head, stride_vb, stride_vh)
     key_mask_base = key_mask_pointer(KEY_MASK, batch, M)
 
-    rows = start_m + tl.arange(0, BLOCK_M)
     q = load_tile(head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM, BLOCK_D)
     acc_dtype = STATS.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)

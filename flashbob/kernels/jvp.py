@@ -28,6 +28,7 @@ import triton.language as tl
 from . import configs
 from .common import (
     LOG2E,
+    bilinear_tile,
     check_qkv,
     column_block_masked_end,
     dot_precision,
@@ -38,8 +39,10 @@ from .common import (
     load_softmax_stats,
     load_tile,
     operand,
+    optional_tile,
     probabilities,
     probabilities_transposed,
+    query_block,
     row_block_key_ranges,
     row_statistic,
     row_vector_pointer,
@@ -48,32 +51,6 @@ from .common import (
     store_tile,
     strides,
 )
-
-
-@triton.jit
-def _optional_tile(X, rows, n_rows, stride_row, placeholder, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   PRESENT: tl.constexpr):
-    """:func:`~flashbob.kernels.common.load_tile` of a tangent that may be absent; ``placeholder``
-    (never read by the caller) when it is."""
-    if PRESENT:
-        tile = load_tile(X, rows, n_rows, stride_row, HEAD_DIM, BLOCK_D)
-    else:
-        tile = placeholder
-    return tile
-
-
-@triton.jit
-def _tangent_of_product(x, x_dot, y, y_dot, HAS_X_DOT: tl.constexpr, HAS_Y_DOT: tl.constexpr,
-                        PRECISION: tl.constexpr):
-    r"""The tangent :math:`\dot x y^\top + x \dot y^\top` of the tile :math:`x y^\top`; at least one of the
-    two tangents is present (an absent one's term is compiled out)."""
-    if HAS_X_DOT:
-        product = tl.dot(x_dot, tl.trans(y), input_precision=PRECISION)
-        if HAS_Y_DOT:
-            product += tl.dot(x, tl.trans(y_dot), input_precision=PRECISION)
-    else:
-        product = tl.dot(x, tl.trans(y_dot), input_precision=PRECISION)
-    return product
 
 
 # ----------------------------------------------------------------------------- row sweep: O-dot (forward mode)
@@ -101,12 +78,14 @@ def _o_dot_inner(
     for start_n in range(start, end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, keys, M, stride_kn, HEAD_DIM, BLOCK_D)
-        p = probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, MASK_CAUSAL, PRECISION, key_mask_base,
-                          HAS_KEY_MASK)
+        p = probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
+                          MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
         if HAS_Q_DOT or HAS_K_DOT:
             v = load_tile(v_base, keys, M, stride_vn, HEAD_DIM, BLOCK_D)
-            k_dot = _optional_tile(k_dot_base, keys, M, stride_kdn, k, HEAD_DIM, BLOCK_D, HAS_K_DOT)
-            p_s_dot = p * (scale * _tangent_of_product(q, q_dot, k, k_dot, HAS_Q_DOT, HAS_K_DOT, PRECISION))
+            k_dot = optional_tile(k_dot_base, keys, M, stride_kdn, k, HEAD_DIM, BLOCK_D, PRESENT=HAS_K_DOT)
+            s_dot = scale * bilinear_tile(q, q_dot, k, k_dot, HAS_DX=HAS_Q_DOT, HAS_DY=HAS_K_DOT, TRANSPOSED=False,
+                                          PRECISION=PRECISION)
+            p_s_dot = p * s_dot
             p_s_dot_rounded = p_s_dot.to(v.dtype)
             r_rounded += tl.sum(p_s_dot_rounded.to(r_rounded.dtype), 1)
             acc += tl.dot(p_s_dot_rounded, v, input_precision=PRECISION)
@@ -130,16 +109,12 @@ def _o_dot_kernel(
 ):
     r"""One query block's :math:`\dot O = \mathrm{acc} - \tilde r \circ O` (:func:`_o_dot_inner`); key
     blocks split as in the forward. Rows that see no key have P = 0 and O = 0, so :math:`\dot O = 0`."""
-    start_m = tl.program_id(0) * BLOCK_M
-    batch_head = tl.program_id(1)
-    batch, head = batch_head // heads, batch_head % heads
-    kv_head = head // group
+    start_m, rows, batch_head, batch, head, kv_head = query_block(heads, group, BLOCK_M)
     key_mask_base = key_mask_pointer(KEY_MASK, batch, M)
 
-    rows = start_m + tl.arange(0, BLOCK_M)
     q = load_tile(head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM, BLOCK_D)
-    q_dot = _optional_tile(head_pointer(Q_DOT, batch, head, stride_qdb, stride_qdh), rows, N, stride_qdn, q,
-                           HEAD_DIM, BLOCK_D, HAS_Q_DOT)
+    q_dot = optional_tile(head_pointer(Q_DOT, batch, head, stride_qdb, stride_qdh), rows, N, stride_qdn, q,
+                          HEAD_DIM, BLOCK_D, PRESENT=HAS_Q_DOT)
     acc_dtype = STATS.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
     r_rounded = tl.zeros([BLOCK_M], dtype=acc_dtype)
@@ -183,13 +158,15 @@ def _row_scalars_inner(
     for start_n in range(start, end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, keys, M, stride_kn, HEAD_DIM, BLOCK_D)
-        p = probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, MASK_CAUSAL, PRECISION, key_mask_base,
-                          HAS_KEY_MASK)
+        p = probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
+                          MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
         x = tl.zeros_like(p)
         if HAS_Q_DOT or HAS_K_DOT:
             v = load_tile(v_base, keys, M, stride_vn, HEAD_DIM, BLOCK_D)
-            k_dot = _optional_tile(k_dot_base, keys, M, stride_kdn, k, HEAD_DIM, BLOCK_D, HAS_K_DOT)
-            p_s_dot = p * (scale * _tangent_of_product(q, q_dot, k, k_dot, HAS_Q_DOT, HAS_K_DOT, PRECISION))
+            k_dot = optional_tile(k_dot_base, keys, M, stride_kdn, k, HEAD_DIM, BLOCK_D, PRESENT=HAS_K_DOT)
+            s_dot = scale * bilinear_tile(q, q_dot, k, k_dot, HAS_DX=HAS_Q_DOT, HAS_DY=HAS_K_DOT, TRANSPOSED=False,
+                                          PRECISION=PRECISION)
+            p_s_dot = p * s_dot
             r_dot += tl.sum(p_s_dot, 1)
             x += p_s_dot * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
         if HAS_V_DOT:
@@ -216,20 +193,16 @@ def _row_scalars_kernel(
     d-vector accumulator, :math:`\dot O` itself is never formed); key blocks split as in the forward, the
     sweep compiled out without :math:`\dot Q, \dot K, \dot V`. Rows that see no key have P = 0 and O = 0,
     so both are 0."""
-    start_m = tl.program_id(0) * BLOCK_M
-    batch_head = tl.program_id(1)
-    batch, head = batch_head // heads, batch_head % heads
-    kv_head = head // group
+    start_m, rows, batch_head, batch, head, kv_head = query_block(heads, group, BLOCK_M)
     key_mask_base = key_mask_pointer(KEY_MASK, batch, M)
 
-    rows = start_m + tl.arange(0, BLOCK_M)
     acc_dtype = STATS.dtype.element_ty
     r_dot = tl.zeros([BLOCK_M], dtype=acc_dtype)
     delta_dot = tl.zeros([BLOCK_M], dtype=acc_dtype)
     if HAS_Q_DOT or HAS_K_DOT or HAS_V_DOT:
         q = load_tile(head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM, BLOCK_D)
-        q_dot = _optional_tile(head_pointer(Q_DOT, batch, head, stride_qdb, stride_qdh), rows, N, stride_qdn, q,
-                               HEAD_DIM, BLOCK_D, HAS_Q_DOT)
+        q_dot = optional_tile(head_pointer(Q_DOT, batch, head, stride_qdb, stride_qdh), rows, N, stride_qdn, q,
+                              HEAD_DIM, BLOCK_D, PRESENT=HAS_Q_DOT)
         do = load_tile(head_pointer(DO, batch, head, stride_dob, stride_doh), rows, N, stride_don, HEAD_DIM, BLOCK_D)
         row_max, log_sum = load_softmax_stats(softmax_stats_pointer(STATS, batch_head, N), rows, N)
         delta = tl.load(row_vector_pointer(DELTA, batch_head, N) + rows, mask=rows < N, other=0.0)
@@ -278,17 +251,20 @@ def _dq_dot_inner(
         keys = start_n + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, keys, M, stride_kn, HEAD_DIM, BLOCK_D)
         v = load_tile(v_base, keys, M, stride_vn, HEAD_DIM, BLOCK_D)
-        k_dot = _optional_tile(k_dot_base, keys, M, stride_kdn, k, HEAD_DIM, BLOCK_D, HAS_K_DOT)
-        v_dot = _optional_tile(v_dot_base, keys, M, stride_vdn, v, HEAD_DIM, BLOCK_D, HAS_V_DOT)
-        p = probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, MASK_CAUSAL, PRECISION, key_mask_base,
-                          HAS_KEY_MASK)
+        k_dot = optional_tile(k_dot_base, keys, M, stride_kdn, k, HEAD_DIM, BLOCK_D, PRESENT=HAS_K_DOT)
+        v_dot = optional_tile(v_dot_base, keys, M, stride_vdn, v, HEAD_DIM, BLOCK_D, PRESENT=HAS_V_DOT)
+        p = probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
+                          MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
         dp_centered = tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None]
         g = tl.zeros_like(p) - delta_dot[:, None]
         if HAS_Q_DOT or HAS_K_DOT:
-            s_dot = scale * _tangent_of_product(q, q_dot, k, k_dot, HAS_Q_DOT, HAS_K_DOT, PRECISION)
+            s_dot = scale * bilinear_tile(q, q_dot, k, k_dot, HAS_DX=HAS_Q_DOT, HAS_DY=HAS_K_DOT, TRANSPOSED=False,
+                                          PRECISION=PRECISION)
             g += (s_dot - r_dot[:, None]) * dp_centered
         if HAS_DO_DOT or HAS_V_DOT:
-            g += _tangent_of_product(do, do_dot, v, v_dot, HAS_DO_DOT, HAS_V_DOT, PRECISION)
+            # dP-dot = dO-dot V^T + dO V-dot^T
+            g += bilinear_tile(do, do_dot, v, v_dot, HAS_DX=HAS_DO_DOT, HAS_DY=HAS_V_DOT, TRANSPOSED=False,
+                               PRECISION=PRECISION)
         dq_dot += tl.dot((p * g).to(k.dtype), k, input_precision=PRECISION)
         if HAS_K_DOT:
             dq_dot += tl.dot((p * dp_centered).to(k_dot.dtype), k_dot, input_precision=PRECISION)
@@ -309,19 +285,15 @@ def _dq_dot_kernel(
 ):
     r""":math:`d\dot Q = \tau (d\dot S K + dS \dot K)` of one query block, with :math:`\dot r, \Delta, \dot\Delta`
     from the first sweep; key blocks split as in the forward."""
-    start_m = tl.program_id(0) * BLOCK_M
-    batch_head = tl.program_id(1)
-    batch, head = batch_head // heads, batch_head % heads
-    kv_head = head // group
+    start_m, rows, batch_head, batch, head, kv_head = query_block(heads, group, BLOCK_M)
     key_mask_base = key_mask_pointer(KEY_MASK, batch, M)
 
-    rows = start_m + tl.arange(0, BLOCK_M)
     q = load_tile(head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM, BLOCK_D)
     do = load_tile(head_pointer(DO, batch, head, stride_dob, stride_doh), rows, N, stride_don, HEAD_DIM, BLOCK_D)
-    q_dot = _optional_tile(head_pointer(Q_DOT, batch, head, stride_qdb, stride_qdh), rows, N, stride_qdn, q,
-                           HEAD_DIM, BLOCK_D, HAS_Q_DOT)
-    do_dot = _optional_tile(head_pointer(DO_DOT, batch, head, stride_dodb, stride_dodh), rows, N, stride_dodn, do,
-                            HEAD_DIM, BLOCK_D, HAS_DO_DOT)
+    q_dot = optional_tile(head_pointer(Q_DOT, batch, head, stride_qdb, stride_qdh), rows, N, stride_qdn, q,
+                          HEAD_DIM, BLOCK_D, PRESENT=HAS_Q_DOT)
+    do_dot = optional_tile(head_pointer(DO_DOT, batch, head, stride_dodb, stride_dodh), rows, N, stride_dodn, do,
+                           HEAD_DIM, BLOCK_D, PRESENT=HAS_DO_DOT)
     row_max, log_sum = load_softmax_stats(softmax_stats_pointer(STATS, batch_head, N), rows, N)
     delta = tl.load(row_vector_pointer(DELTA, batch_head, N) + rows, mask=rows < N, other=0.0)
     r_dot = tl.load(row_vector_pointer(R_DOT, batch_head, N) + rows, mask=rows < N, other=0.0)
@@ -374,24 +346,26 @@ def _dk_dot_dv_dot_inner(
         rows = start_m + tl.arange(0, BLOCK_M)
         q = load_tile(q_base, rows, N, stride_qn, HEAD_DIM, BLOCK_D)
         do = load_tile(do_base, rows, N, stride_don, HEAD_DIM, BLOCK_D)
-        q_dot = _optional_tile(q_dot_base, rows, N, stride_qdn, q, HEAD_DIM, BLOCK_D, HAS_Q_DOT)
-        do_dot = _optional_tile(do_dot_base, rows, N, stride_dodn, do, HEAD_DIM, BLOCK_D, HAS_DO_DOT)
+        q_dot = optional_tile(q_dot_base, rows, N, stride_qdn, q, HEAD_DIM, BLOCK_D, PRESENT=HAS_Q_DOT)
+        do_dot = optional_tile(do_dot_base, rows, N, stride_dodn, do, HEAD_DIM, BLOCK_D, PRESENT=HAS_DO_DOT)
         row_max, log_sum = load_softmax_stats(stats_base, rows, N)
         delta = tl.load(delta_base + rows, mask=rows < N, other=0.0)
         delta_dot = tl.load(delta_dot_base + rows, mask=rows < N, other=0.0)
-        p_t = probabilities_transposed(
-            k, q, row_max, log_sum, rows, keys, qk_scale, MASK_CAUSAL, PRECISION, key_mask_base, M, HAS_KEY_MASK
-        )
+        p_t = probabilities_transposed(k, q, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
+                                       MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
         dp_centered_t = tl.dot(v, tl.trans(do), input_precision=PRECISION) - delta[None, :]
         g_t = tl.zeros_like(p_t) - delta_dot[None, :]
         if HAS_Q_DOT or HAS_K_DOT:
             r_dot = tl.load(r_dot_base + rows, mask=rows < N, other=0.0)
-            s_dot_t = scale * _tangent_of_product(k, k_dot, q, q_dot, HAS_K_DOT, HAS_Q_DOT, PRECISION)
+            # S-dot^T = K-dot Q^T + K Q-dot^T
+            s_dot_t = scale * bilinear_tile(k, k_dot, q, q_dot, HAS_DX=HAS_K_DOT, HAS_DY=HAS_Q_DOT, TRANSPOSED=False,
+                                            PRECISION=PRECISION)
             s_dot_centered_t = s_dot_t - r_dot[None, :]
             g_t += s_dot_centered_t * dp_centered_t
             dv_dot += tl.dot((p_t * s_dot_centered_t).to(do.dtype), do, input_precision=PRECISION)
         if HAS_DO_DOT or HAS_V_DOT:
-            g_t += _tangent_of_product(v, v_dot, do, do_dot, HAS_V_DOT, HAS_DO_DOT, PRECISION)
+            g_t += bilinear_tile(v, v_dot, do, do_dot, HAS_DX=HAS_V_DOT, HAS_DY=HAS_DO_DOT, TRANSPOSED=False,
+                                 PRECISION=PRECISION)
         dk_dot += tl.dot((p_t * g_t).to(q.dtype), q, input_precision=PRECISION)
         if HAS_Q_DOT:
             dk_dot += tl.dot((p_t * dp_centered_t).to(q_dot.dtype), q_dot, input_precision=PRECISION)
@@ -424,10 +398,10 @@ def _dk_dot_dv_dot_kernel(
     key_mask_base = key_mask_pointer(KEY_MASK, batch, M)
     k = load_tile(head_pointer(K, batch, kv_head, stride_kb, stride_kh), keys, M, stride_kn, HEAD_DIM, BLOCK_D)
     v = load_tile(head_pointer(V, batch, kv_head, stride_vb, stride_vh), keys, M, stride_vn, HEAD_DIM, BLOCK_D)
-    k_dot = _optional_tile(head_pointer(K_DOT, batch, kv_head, stride_kdb, stride_kdh), keys, M, stride_kdn, k,
-                           HEAD_DIM, BLOCK_D, HAS_K_DOT)
-    v_dot = _optional_tile(head_pointer(V_DOT, batch, kv_head, stride_vdb, stride_vdh), keys, M, stride_vdn, v,
-                           HEAD_DIM, BLOCK_D, HAS_V_DOT)
+    k_dot = optional_tile(head_pointer(K_DOT, batch, kv_head, stride_kdb, stride_kdh), keys, M, stride_kdn, k,
+                          HEAD_DIM, BLOCK_D, PRESENT=HAS_K_DOT)
+    v_dot = optional_tile(head_pointer(V_DOT, batch, kv_head, stride_vdb, stride_vdh), keys, M, stride_vdn, v,
+                          HEAD_DIM, BLOCK_D, PRESENT=HAS_V_DOT)
     acc_dtype = DELTA.dtype.element_ty
     dk_dot = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
     dv_dot = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
