@@ -26,7 +26,7 @@ Each case runs one of four workloads on ``(batch, heads, N, d)`` bf16 inputs (N 
 * ``bob``          the second backward alone, on a retained first-backward graph
 
 Times are medians of CUDA-event timings after warm-up. TFLOP/s use the fixed conventions of
-``bob-math.md``: per (batch, head) forward ``4NMd``, backward ``10NMd``, BoB ``38NMd``, halved
+docs/algorithm.md: per (batch, head) forward ``4NMd``, backward ``10NMd``, BoB ``38NMd``, halved
 for causal. Peak memory is ``torch.cuda.max_memory_allocated`` over the timed runs.
 
 Implementations: ``flashbob``; ``eager`` (autograd through naive materialised attention,

@@ -44,7 +44,7 @@ from benchmarks.results import write_rows
 from benchmarks.timing import median_ms, wall_median_ms
 from flashbob import kernels, reference
 
-# Matrix-product FLOPs per (batch, head) in units of N*M*d (jvp-math.md's conventions), halved for causal.
+# Matrix-product FLOPs per (batch, head) in units of N*M*d (docs/algorithm.md's conventions), halved for causal.
 FLOPS_PER_NMD = {"forward": 4, "backward": 10, "forward_jvp": 10, "backward_jvp": 24}
 WORKLOADS = {"kernels": ("forward", "backward", "forward_jvp", "backward_jvp"),
              "eager": ("forward_jvp", "backward_jvp")}

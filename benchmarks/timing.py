@@ -31,8 +31,8 @@ def wall_median_ms(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-# Matrix-product FLOPs per (batch, head) in units of N*M*d, bob-math.md's fixed conventions (forward
-# 4, backward 10, BoB 38), whatever the implementation does; halved for causal masks.
+# Matrix-product FLOPs per (batch, head) in units of N*M*d, the fixed conventions of docs/algorithm.md
+# (forward 4, backward 10, BoB 38), whatever the implementation does; halved for causal masks.
 FLOPS_PER_NMD = {"fwd": 4, "fwd_bwd": 14, "fwd_bwd_bob": 52, "bob": 38}
 
 
