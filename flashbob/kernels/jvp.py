@@ -52,7 +52,6 @@ from .common import (
     strides,
 )
 
-
 # ----------------------------------------------------------------------------- row sweep: O-dot (forward mode)
 
 
