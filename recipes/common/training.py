@@ -8,7 +8,7 @@
     for each step up to train.steps:
         take the recipe's step; stop if its loss is not finite
         every train.log_interval steps (and the first and last): log the step's metrics
-        every train.eval_interval steps (and the last): evaluate and log
+        every train.eval_interval steps (and the last; the first too if the recipe asks): evaluate and log
         every train.checkpoint_interval steps (and the last): write a checkpoint
 
 Under ``torchrun`` (the LM recipe trains data parallel) every process runs the loop; rank 0 alone
