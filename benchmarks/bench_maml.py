@@ -77,7 +77,7 @@ def measure(impl: str, context: int, args, device: torch.device) -> dict:
     torch.manual_seed(args.seed)
     model = Transformer(vocab_size=256, n_outputs=256, d_model=args.d_model, n_layers=args.n_layers,
                         n_heads=args.n_heads, mlp_ratio=args.mlp_ratio, causal=True, readout="tokens",
-                        attention=impl, backend="auto").to(device)
+                        attention={"flashbob": "auto", "eager": "eager"}[impl]).to(device)
     inner = inner_optimizer(model, "sgd", args.inner_lr, first_order=args.first_order)
     support, query = torch.randint(0, 256, (2, args.batch, context + 1), device=device)
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(args.dtype)

@@ -1,9 +1,10 @@
 """Smallest demonstration: an exact Hessian-vector product through flashbob attention.
 
-Run ``python -m recipes.hvp_demo``. A one-layer causal self-attention model is trained for a few
-steps of next-step regression on a random sequence; then the Hessian of its loss is applied to a
-random direction twice, through flashbob (reverse-over-reverse, using the closed-form
-backward-over-backward) and through naive materialised attention, and the two are compared.
+Run ``python -m recipes.hvp_demo``. A causal self-attention layer (that of
+:mod:`recipes.common.transformer`, with rotary positions) is trained for a few steps of next-step
+regression on a random sequence; then the Hessian of its loss is applied to a random direction
+twice, through flashbob (reverse-over-reverse, using the closed-form backward-over-backward) and
+through naive materialised attention, and the two are compared.
 """
 
 from __future__ import annotations
@@ -12,24 +13,8 @@ import argparse
 import time
 
 import torch
-from einops import rearrange
 
-import flashbob
-from flashbob import reference
-
-
-class SelfAttention(torch.nn.Module):
-    """Projections, multi-head causal attention through ``attention_fn``, output projection."""
-
-    def __init__(self, dim: int, heads: int, attention_fn=flashbob.attention):
-        super().__init__()
-        self.heads, self.attention_fn = heads, attention_fn
-        self.qkv = torch.nn.Linear(dim, 3 * dim)
-        self.out = torch.nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads)
-        return self.out(rearrange(self.attention_fn(q, k, v, causal=True), "b h n d -> b n (h d)"))
+from recipes.common.transformer import SelfAttention, attention_function
 
 
 def hessian_vector_product(model, x, target, vec):
@@ -50,7 +35,8 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = SelfAttention(args.dim, args.heads).to(device, torch.float64)
+    model = SelfAttention(args.dim, args.heads, args.heads, causal=True, rope_base=10000.0,
+                          attend=attention_function("auto"), out_gain=1.0).to(device, torch.float64)
     sequence = torch.randn(1, args.length + 1, args.dim, device=device, dtype=torch.float64).cumsum(1) / args.length**0.5
     x, target = sequence[:, :-1], sequence[:, 1:]
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -63,7 +49,7 @@ def main() -> None:
     start = time.perf_counter()
     hv = hessian_vector_product(model, x, target, vec)
     elapsed = time.perf_counter() - start
-    model.attention_fn = reference.attention
+    model.attend = attention_function("eager")
     hv_naive = hessian_vector_product(model, x, target, vec)
     flat, flat_naive = torch.cat([h.flatten() for h in hv]), torch.cat([h.flatten() for h in hv_naive])
     error = ((flat - flat_naive).norm() / flat_naive.norm()).item()

@@ -1,4 +1,4 @@
-"""Shared test setup: where the Triton kernels run, and fresh random inputs.
+"""Shared test setup: where the Triton kernels run, fresh random inputs, and a fresh fallback state.
 
 On a machine with CUDA the suite runs the kernels on the GPU; on a CPU-only machine it runs them in
 Triton's interpreter. ``TRITON_INTERPRET`` must be set before ``triton`` is first imported, so it is
@@ -22,3 +22,14 @@ def gen(request) -> torch.Generator:
     seed = secrets.randbits(31)
     print(f"{request.node.nodeid}: seed {seed}")
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def fresh_fallback():
+    """:mod:`flashbob.dropin` as at start-up around a test: no fallback warned about yet, strict mode
+    from the environment (``flashbob.set_strict(None)``)."""
+    from flashbob import dropin, set_strict  # imported here: triton only after TRITON_INTERPRET is set
+
+    dropin._warned.clear()
+    yield
+    set_strict(None)

@@ -68,3 +68,25 @@ def assert_matches(actual: torch.Tensor, expected: torch.Tensor, tol: float, nam
         return
     err = relative_error(actual, expected)
     assert err < tol, f"{name}: relative error {err:.3g} >= {tol:.3g}"
+
+
+def assert_terms_match(outputs: dict, refs: dict, tolerance: float) -> list[str]:
+    """Each ``outputs[name]`` finite and within ``tolerance`` of ``refs[name]`` (float64), relative to its norm;
+    returns the names so compared.
+
+    A reference that is zero in exact arithmetic (below 1e-12) is a sum of terms of the size of the
+    largest entry of any reference that cancel, so its rounding scales with that size: the output is
+    held to ``tolerance`` times it.
+    """
+    term_size = max(1.0, *(ref.abs().max().item() for ref in refs.values()))
+    compared = []
+    for name, ref in refs.items():
+        assert torch.isfinite(outputs[name]).all(), f"{name}: non-finite values"
+        if ref.abs().max() < 1e-12:
+            largest = outputs[name].double().abs().max()
+            assert largest < tolerance * term_size, f"{name} should be zero: max |x| = {largest:.2e}"
+        else:
+            error = relative_error(outputs[name], ref)
+            assert error < tolerance, f"{name}: relative error {error:.2e} >= {tolerance:.0e}"
+            compared.append(name)
+    return compared

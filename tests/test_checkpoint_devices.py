@@ -14,7 +14,7 @@ one more step there must match one more step on the first device from the same s
 rounding. No state tensor may stay behind on the other device.
 
 The CPU tests check what can be checked without a GPU: every optimizer's state follows its
-parameters to another device on load ('meta' stands in for CUDA), and the LM recipe's resume copes
+parameters to another device on load ('meta' stands in for CUDA), and the recipes' resume copes
 with generator states of another device type (a CUDA generator's state does not fit a CPU
 generator) and with checkpoints written on a machine with more GPUs.
 """
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 import optim
 from optim import AdaHessian, NewtonCG, SophiaG, SophiaH
-from tests.models import TinyTransformer
+from recipes.common.transformer import Transformer
 
 GPU = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
@@ -82,9 +82,9 @@ def lm_problem(device):
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
-def new_model(device) -> TinyTransformer:
+def new_model(device) -> Transformer:
     torch.manual_seed(0)
-    return TinyTransformer(vocab=16, d_model=16, heads=2, kv_heads=1, layers=2, dtype=torch.float32).to(device)
+    return Transformer(vocab_size=16, n_outputs=16, d_model=16, n_heads=2, n_kv_heads=1, n_layers=2).to(device)
 
 
 def train_step(opt, model, x, y) -> None:
@@ -185,9 +185,9 @@ def test_saved_on_cpu_loaded_on_gpu_continues_like_the_cpu(name, probes):
 
 @GPU
 def test_lm_checkpoint_written_on_gpu_resumes_on_cpu(tmp_path, probes):
-    """The LM recipe's checkpoint module: a checkpoint of CUDA state loads with every tensor on
+    """The recipes' checkpoint module: a checkpoint of CUDA state loads with every tensor on
     the CPU, into a CPU model and optimizer, and its random-number states restore there."""
-    from recipes.lm import checkpoint
+    from recipes.common import checkpoint
 
     x, y = lm_problem("cuda")
     model = new_model("cuda")
@@ -215,17 +215,15 @@ def test_lm_checkpoint_written_on_gpu_resumes_on_cpu(tmp_path, probes):
 def test_lm_resume_with_a_gpu_generator_state_on_cpu_warns_and_goes_on():
     """A second-order optimizer's probe generator (data parallel runs have one) saved on the GPU
     cannot continue on the CPU: a warning, and a fresh generator."""
-    pytest.importorskip("omegaconf")
-    from recipes.lm import checkpoint, distributed, train
+    from recipes.common import checkpoint
 
-    cuda_opt = SophiaH(new_model("cuda").parameters(), generator=torch.Generator("cuda").manual_seed(5))
+    cuda_generator = torch.Generator("cuda").manual_seed(5)
     cpu_generator = torch.Generator().manual_seed(6)
-    cpu_opt = SophiaH(new_model("cpu").parameters(), generator=cpu_generator)
-    rng = train.rng_states(cuda_opt)
+    rng = checkpoint.rng_states(cuda_generator)
     assert rng["optimizer_device"] == "cuda"
     fresh = cpu_generator.get_state()
     with pytest.warns(RuntimeWarning, match="does not fit"):
-        train.restore_rng({"rng": rng, "rng_ranks": [rng]}, cpu_opt, distributed.Context())
+        checkpoint.restore_rng({"rng": rng, "rng_ranks": [rng]}, cpu_generator)
     assert torch.equal(cpu_generator.get_state(), fresh)
     assert torch.equal(torch.get_rng_state(), rng["torch"]), "the global generators are restored all the same"
     checkpoint.set_rng_state(rng)
@@ -252,21 +250,11 @@ def test_optimizer_state_follows_the_parameters_to_another_device(name, probes):
     assert_state_on(moved, "meta")
 
 
-@pytest.fixture
-def lm_train():
-    pytest.importorskip("omegaconf")
-    from recipes.lm import distributed, train
+def test_lm_resume_with_another_devices_generator_state_warns_and_keeps_a_fresh_one():
+    from recipes.common import checkpoint
 
-    return train, distributed.Context()
-
-
-def test_lm_resume_with_another_devices_generator_state_warns_and_keeps_a_fresh_one(lm_train):
-    from recipes.lm import checkpoint
-
-    train, ctx = lm_train
     generator = torch.Generator().manual_seed(6)
-    opt = SophiaH(new_model("cpu").parameters(), generator=generator)
-    rng = train.rng_states(opt)
+    rng = checkpoint.rng_states(generator)
     assert rng["optimizer_device"] == "cpu"
     cuda_like = {**rng, "optimizer": torch.zeros(16, dtype=torch.uint8), "optimizer_device": "cuda"}  # Philox: seed, offset
     old_format = {key: value for key, value in cuda_like.items() if key != "optimizer_device"}
@@ -274,28 +262,28 @@ def test_lm_resume_with_another_devices_generator_state_warns_and_keeps_a_fresh_
         torch.manual_seed(123)
         fresh = generator.get_state()
         with pytest.warns(RuntimeWarning, match="does not fit this run's cpu generator"):
-            train.restore_rng({"rng": saved, "rng_ranks": [saved]}, opt, ctx)
+            checkpoint.restore_rng({"rng": saved, "rng_ranks": [saved]}, generator)
         assert torch.equal(generator.get_state(), fresh), "the generator is left as it was"
         assert torch.equal(torch.get_rng_state(), rng["torch"]), "the global generators are restored"
     checkpoint.set_rng_state(rng)
 
 
-def test_lm_resume_restores_a_same_device_generator_exactly(lm_train):
-    train, ctx = lm_train
+def test_lm_resume_restores_a_same_device_generator_exactly():
+    from recipes.common import checkpoint
+
     generator = torch.Generator().manual_seed(6)
-    opt = SophiaH(new_model("cpu").parameters(), generator=generator)
-    rng = train.rng_states(opt)
+    rng = checkpoint.rng_states(generator)
     expected = torch.rand(4, generator=generator)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        train.restore_rng({"rng": rng, "rng_ranks": [rng]}, opt, ctx)
+        checkpoint.restore_rng({"rng": rng, "rng_ranks": [rng]}, generator)
     assert torch.equal(torch.rand(4, generator=generator), expected)
 
 
 def test_cuda_rng_states_are_cut_to_the_gpus_there_are(monkeypatch):
     """A checkpoint written on a machine with more GPUs restores the first ones (before: an
     invalid-device error); without CUDA, CUDA states are skipped."""
-    from recipes.lm import checkpoint
+    from recipes.common import checkpoint
 
     rng = checkpoint.rng_state()
     restored = []

@@ -20,18 +20,11 @@ import pytest
 import torch
 
 from benchmarks.environment import child_environment
-from recipes.common import run_folder
+from recipes.common import checkpoint, run_folder
 from recipes.common.config import ConfigError
-from recipes.lm import checkpoint
-from recipes.lm.__main__ import main
-from recipes.lm.logger import drop_rows_after, wandb_run_id
-from recipes.lm.train import train
-from recipes.meta.train import train as train_meta
-from recipes.ttt.train import train as train_ttt
-from tests import test_meta, test_ttt
-from tests.test_lm_recipe import CONFIGS, MICRO, micro_config, read_jsonl
+from recipes.common.logger import drop_rows_after, wandb_run_id
+from tests.runs import LM, RECIPES, ROOT, read_jsonl
 
-ROOT = Path(__file__).resolve().parent.parent
 # A model whose checkpoint (weights and AdamW moments, ~40 MB) takes far longer to write than the
 # poll below takes to notice its temporary file, and a checkpoint after every step.
 SLOW_WRITES = ["model.d_model=256", "model.n_heads=4", "model.n_kv_heads=4", "model.n_layers=4",
@@ -40,8 +33,7 @@ SLOW_WRITES = ["model.d_model=256", "model.n_heads=4", "model.n_kv_heads=4", "mo
 
 
 def run_recipe(tmp_path: Path, *extra: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "recipes.lm", "--config", str(CONFIGS / "tiny.yaml"), *MICRO,
-               f"out_dir={tmp_path}", "train.threads=1", *SLOW_WRITES, *extra]
+    command = [sys.executable, "-m", "recipes.lm", *LM.arguments(tmp_path, "train.threads=1", *SLOW_WRITES, *extra)]
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env=child_environment())
 
@@ -108,7 +100,7 @@ def test_disk_full_while_training_is_reported_and_leaves_the_last_checkpoint(tmp
     """The second checkpoint hits a full disk half-way: a clear error names the file and the cause
     (torch.save itself would only say 'unexpected pos'), the temporary file is gone and training
     resumes from the first checkpoint."""
-    cfg = micro_config(tmp_path, "train.steps=4", "train.checkpoint_interval=2")
+    cfg = LM.config(tmp_path, "train.steps=4", "train.checkpoint_interval=2")
     real_save, calls = torch.save, []
 
     def save(obj, f, *args, **kwargs):
@@ -120,13 +112,13 @@ def test_disk_full_while_training_is_reported_and_leaves_the_last_checkpoint(tmp
     monkeypatch.setattr(torch, "save", save)
     directory = tmp_path / "tiny" / "checkpoints"
     with pytest.raises(checkpoint.CheckpointWriteError, match="step_00000004.pt: No space left on device") as info:
-        train(cfg)
+        LM.train(cfg)
     assert info.value.errno == errno.ENOSPC
     assert os.listdir(directory) == ["step_00000002.pt"]
     assert checkpoint.load(directory / "step_00000002.pt")["step"] == 2
     monkeypatch.setattr(torch, "save", real_save)
     with pytest.warns(RuntimeWarning, match="dropped 2 row\\(s\\) logged past step 2"):  # steps 3-4, logged again
-        train(micro_config(tmp_path, "train.steps=4", "train.checkpoint_interval=2", "train.resume=auto"))
+        LM.train(LM.config(tmp_path, "train.steps=4", "train.checkpoint_interval=2", "train.resume=auto"))
     assert checkpoint.load(checkpoint.latest(directory))["step"] == 4
 
 
@@ -161,14 +153,6 @@ def test_unreadable_checkpoint_is_named_with_the_earlier_ones(tmp_path, content)
 
 # ------------------------------------------------------------------ damaged checkpoints, run folders
 
-RECIPES = {  # recipe: (micro config, train, run folder name)
-    "lm": (micro_config, train, "tiny"),
-    "meta": (test_meta.micro_config, train_meta, "meta_tiny"),
-    "ttt": (test_ttt.micro_config, train_ttt, "ttt_tiny"),
-}
-CLI = ["--config", str(CONFIGS / "tiny.yaml"), *MICRO]
-
-
 def flip_bit(path: Path, bit: int) -> None:
     content = bytearray(path.read_bytes())
     content[bit // 8] ^= 1 << bit % 8
@@ -197,7 +181,7 @@ def test_every_bit_flip_and_zeroed_block_is_detected(tmp_path, gen):
     """A real checkpoint (micro LM weights, AdamW moments, data and RNG state, ~400 KB): 20 random
     single-bit flips and 20 random zeroed 4 KiB blocks, each refused naming the file; the intact
     file loads."""
-    train(micro_config(tmp_path, "train.steps=2"))
+    LM.train(LM.config(tmp_path, "train.steps=2"))
     path = tmp_path / "tiny" / "checkpoints" / "step_00000002.pt"
     clean = path.read_bytes()
     detected = 0
@@ -213,10 +197,10 @@ def test_every_bit_flip_and_zeroed_block_is_detected(tmp_path, gen):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_resume_auto_on_a_fresh_run_starts_from_scratch(tmp_path, recipe):
-    config, train_recipe, name = RECIPES[recipe]
-    train_recipe(config(tmp_path, "train.steps=2", "train.resume=auto"))
-    assert [row["step"] for row in read_jsonl(tmp_path / name / "metrics.jsonl")] == [1, 2]
-    assert [p.name for p in checkpoint.checkpoints(tmp_path / name / "checkpoints")] == ["step_00000002.pt"]
+    run = RECIPES[recipe]
+    run.train(run.config(tmp_path, "train.steps=2", "train.resume=auto"))
+    assert [row["step"] for row in read_jsonl(tmp_path / run.run / "metrics.jsonl")] == [1, 2]
+    assert [p.name for p in checkpoint.checkpoints(tmp_path / run.run / "checkpoints")] == ["step_00000002.pt"]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -224,14 +208,14 @@ def test_resume_auto_falls_back_past_a_damaged_checkpoint_and_logs_each_step_onc
     """Steps 1-4 with checkpoints at 2 and 4; step 4's file gets one flipped bit. ``resume=auto``
     to step 6 warns naming it, resumes from step 2, drops the log rows of steps 3-4 before logging
     them again, and writes a good step-4 checkpoint over the damaged one."""
-    config, train_recipe, name = RECIPES[recipe]
+    run = RECIPES[recipe]
     settings = ("train.checkpoint_interval=2", "train.keep_checkpoints=0", "train.eval_interval=2")
-    train_recipe(config(tmp_path, "train.steps=4", *settings))
-    run_dir = tmp_path / name
+    run.train(run.config(tmp_path, "train.steps=4", *settings))
+    run_dir = tmp_path / run.run
     newest = run_dir / "checkpoints" / "step_00000004.pt"
     flip_bit(newest, 8 * newest.stat().st_size // 2)
     with pytest.warns(RuntimeWarning) as warned:
-        train_recipe(config(tmp_path, "train.steps=6", "train.resume=auto", *settings))
+        run.train(run.config(tmp_path, "train.steps=6", "train.resume=auto", *settings))
     messages = [str(w.message) for w in warned]
     assert any(m.startswith(f"skipping a damaged checkpoint: checkpoint {newest} cannot be read (its SHA-256 "
                             "differs from the one written with it") for m in messages), messages
@@ -241,12 +225,12 @@ def test_resume_auto_falls_back_past_a_damaged_checkpoint_and_logs_each_step_onc
 
 
 def test_every_checkpoint_damaged_stops_with_one_line(tmp_path, capsys):
-    train(micro_config(tmp_path, "train.steps=2", "train.checkpoint_interval=1", "train.keep_checkpoints=0"))
+    LM.train(LM.config(tmp_path, "train.steps=2", "train.checkpoint_interval=1", "train.keep_checkpoints=0"))
     directory = tmp_path / "tiny" / "checkpoints"
     for path in checkpoint.checkpoints(directory):
         flip_bit(path, 100)
     with pytest.warns(RuntimeWarning, match="skipping a damaged checkpoint"), pytest.raises(SystemExit) as exit_:
-        main([*CLI, f"out_dir={tmp_path}", "train.steps=4", "--resume", "auto"])
+        LM.main(LM.arguments(tmp_path, "train.steps=4", "--resume", "auto"))
     assert exit_.value.code == 1
     assert capsys.readouterr().err == (f"python -m recipes.lm: error: every checkpoint in {directory} is damaged: "
                                        "step_00000001.pt, step_00000002.pt\n")
@@ -260,14 +244,14 @@ def test_a_second_run_on_a_folder_in_use_is_refused_and_a_dead_runs_lock_taken_o
     """Another live process holds the run folder: the run stops with one line (status 1) and writes
     nothing. Once that process is killed, its lock file is left naming it; the next run takes it
     over with a warning and removes it at exit."""
-    run_dir, args = tmp_path / "tiny", [*CLI, f"out_dir={tmp_path}", "train.steps=2"]
+    run_dir, args = tmp_path / "tiny", LM.arguments(tmp_path, "train.steps=2")
     run_dir.mkdir()
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE,
                               env=child_environment())
     try:
         assert holder.stdout.readline() == b"locked\n"
         with pytest.raises(SystemExit) as exit_:
-            main(args)
+            LM.main(args)
         assert exit_.value.code == 1
         assert capsys.readouterr().err == (f"python -m recipes.lm: error: {run_dir} is in use by another run (pid "
                                            f"{holder.pid} on {socket.gethostname()}); wait for it to end or choose "
@@ -279,7 +263,7 @@ def test_a_second_run_on_a_folder_in_use_is_refused_and_a_dead_runs_lock_taken_o
     lock = run_dir / "run.lock"
     with pytest.warns(RuntimeWarning, match=f"^taking over the stale lock {lock} of process {holder.pid}, which is "
                                             "no longer running$"):
-        main(args)
+        LM.main(args)
     assert not lock.exists() and checkpoint.latest(run_dir / "checkpoints").name == "step_00000002.pt"
 
 
@@ -291,14 +275,14 @@ def test_a_leftover_lock_of_another_host_is_not_taken_over(tmp_path):
 
 
 def test_leftover_temporary_files_are_removed_at_the_next_start(tmp_path):
-    train(micro_config(tmp_path, "train.steps=2"))
+    LM.train(LM.config(tmp_path, "train.steps=2"))
     run_dir = tmp_path / "tiny"
     directory = run_dir / "checkpoints"
     (directory / ".step_00000004.pt.tmp-4242").write_bytes(bytes(3_000_000))
     (directory / ".step_00000003.pt.tmp-4343").write_bytes(bytes(2_000_000))
     (run_dir / ".metrics.jsonl.tmp-77").write_text("{}")
     with pytest.warns(RuntimeWarning) as warned:
-        train(micro_config(tmp_path, "train.steps=4", "train.resume=auto"))
+        LM.train(LM.config(tmp_path, "train.steps=4", "train.resume=auto"))
     assert [str(w.message) for w in warned if w.category is RuntimeWarning] == [
         f"removed 1 temporary file(s) of interrupted writes from {run_dir} (0.0 MB): .metrics.jsonl.tmp-77",
         (f"removed 2 temporary file(s) of interrupted writes from {directory} (5.0 MB): .step_00000003.pt.tmp-4343, "
@@ -326,11 +310,11 @@ def test_wandb_run_id_is_kept_for_a_resumed_run_and_renewed_for_a_fresh_one(tmp_
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_cuda_device_without_cuda_is_a_config_error(tmp_path, recipe, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    config, train_recipe, name = RECIPES[recipe]
+    run = RECIPES[recipe]
     with pytest.raises(ConfigError, match="^train.device=cuda, but torch finds no CUDA device on this machine; use "
                                           "train.device=auto or cpu$"):
-        train_recipe(config(tmp_path, "train.device=cuda"))
-    assert not (tmp_path / name).exists()
+        run.train(run.config(tmp_path, "train.device=cuda"))
+    assert not (tmp_path / run.run).exists()
 
 
 def test_a_file_system_without_flock_runs_unlocked_with_a_warning(tmp_path, monkeypatch):

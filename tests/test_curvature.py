@@ -31,8 +31,9 @@ from optim import (
     power_iteration,
     trace,
 )
+from recipes.common.transformer import Transformer
 from tests.helpers import assert_matches, needs_interpreter
-from tests.models import MLP, TinyTransformer
+from tests.models import MLP
 
 DTYPE = torch.float64
 TOL = {"rtol": 1e-9, "atol": 1e-11}
@@ -151,9 +152,9 @@ def mlp_problem(loss: str) -> Problem:
 
 def transformer_problem(heads: int, kv_heads: int, layers: int) -> Problem:
     torch.manual_seed(0)
-    config = dict(vocab=7, d_model=8, heads=heads, kv_heads=kv_heads, layers=layers, causal=True, max_len=5)
-    model = TinyTransformer(**config, attention=flashbob.attention)
-    reference = TinyTransformer(**config, attention=flashbob.reference.attention)
+    config = dict(vocab_size=7, n_outputs=7, d_model=8, n_heads=heads, n_kv_heads=kv_heads, n_layers=layers)
+    model = Transformer(**config, attention=flashbob.attention).double()
+    reference = Transformer(**config, attention=flashbob.reference.attention).double()
     reference.load_state_dict(model.state_dict())
     tokens = torch.randint(0, 7, (2, 5))
     targets = torch.randint(0, 7, (2, 5))
@@ -821,12 +822,12 @@ def test_products_through_the_triton_kernels_match_naive_attention() -> None:
     """HVP and GGN products of a GQA transformer whose attention runs the Triton kernels (in the
     interpreter) equal those of the same weights with naive attention, in float64."""
     torch.manual_seed(1)
-    config = dict(vocab=7, d_model=8, heads=4, kv_heads=2, layers=1, causal=True, max_len=5)
+    config = dict(vocab_size=7, n_outputs=7, d_model=8, n_heads=4, n_kv_heads=2, n_layers=1)
     def kernels(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
         return flashbob.attention(q, k, v, causal=causal, backend="triton")
 
-    model = TinyTransformer(**config, attention=kernels)
-    naive = TinyTransformer(**config, attention=flashbob.reference.attention)
+    model = Transformer(**config, attention=kernels).double()
+    naive = Transformer(**config, attention=flashbob.reference.attention).double()
     naive.load_state_dict(model.state_dict())
     tokens, targets = torch.randint(0, 7, (2, 5)), torch.randint(0, 7, (2, 5))
     vec = [torch.randn_like(p) for p in model.parameters()]

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from benchmarks.environment import child_environment
 from optim import AdaHessian, NewtonCG, SophiaG, SophiaH
 from optim import distributed as odist
-from recipes.lm import data
+from recipes.common import data
+from recipes.common.transformer import Transformer
 from tests.helpers import assert_matches
-from tests.models import TinyTransformer
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = 2
@@ -68,7 +68,7 @@ def run_case(factory, steps: int, rank: int, world: int, distributed: bool) -> d
 
 def _run_case(factory, steps: int, rank: int, world: int, distributed: bool) -> dict:
     torch.manual_seed(0)
-    model = TinyTransformer(vocab=16, d_model=16, heads=2, kv_heads=1, layers=2)
+    model = Transformer(vocab_size=16, n_outputs=16, d_model=16, n_heads=2, n_kv_heads=1, n_layers=2).double()
     x, y = lm_batch()
     rows = x.shape[0] // world
     x, y = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]

@@ -16,24 +16,33 @@ from flashbob.integrations import huggingface  # noqa: E402
 from optim import hvp  # noqa: E402
 
 
-def _naive_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """Exact float64 oracle: materialising attention, SDPA semantics (eager Llama softmaxes in float32)."""
-    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    is_causal = bool(is_causal) and attention_mask is None and query.shape[2] > 1
-    out = naive_attention(query, key, value, attention_mask, dropout, is_causal, scaling,
+def _naive_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Exact float64 oracle: materialising attention under the boolean mask transformers built for the
+    model (eager Llama softmaxes in float32). The ``naive_test`` mask is never skipped
+    (:func:`_materialised_mask`), so what is causal comes from the model's own mask function and
+    padding, not from a rule shared with the code under test; ``is_causal`` is not read."""
+    assert attention_mask is not None, "the naive_test mask interface always materialises the mask"
+    out = naive_attention(query, key, value, attention_mask, dropout, False, scaling,
                           enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
+
+
+def _materialised_mask(*args, allow_is_causal_skip=True, **kwargs):
+    """transformers' SDPA boolean mask, built even where plain causal attention would let it be skipped."""
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, allow_is_causal_skip=False, **kwargs)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def registered():
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     names = huggingface.register()
     assert huggingface.NAME in names
     AttentionInterface.register("naive_test", _naive_forward)
-    AttentionMaskInterface.register("naive_test", sdpa_mask)
+    AttentionMaskInterface.register("naive_test", _materialised_mask)
 
 
 def configs():

@@ -15,7 +15,7 @@ import torch
 from benchmarks.environment import child_environment
 from flashbob import kernels, reference
 from flashbob.kernels import configs
-from tests.helpers import relative_error
+from tests.helpers import assert_terms_match, relative_error
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"  # tests/conftest.py sets it
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -92,16 +92,7 @@ def assert_matches_oracle(outputs, inputs, tangents, *, causal, scale, key_mask=
     are held to ``tolerance`` times the largest entry of any tangent, the size of the terms that cancel."""
     for name, like in zip(OUTPUTS, ("q", "q", "k", "v")):
         assert outputs[name].shape == inputs[like].shape and outputs[name].dtype == inputs[like].dtype, name
-    refs = run_oracle(inputs, tangents, causal=causal, scale=scale, key_mask=key_mask)
-    term_size = max(1.0, *(ref.abs().max().item() for ref in refs.values()))
-    for name, ref in refs.items():
-        assert torch.isfinite(outputs[name]).all(), f"{name}: non-finite values"
-        if ref.abs().max() < 1e-12:
-            largest = outputs[name].double().abs().max()
-            assert largest < tolerance * term_size, f"{name} should be zero: max |x| = {largest:.2e}"
-        else:
-            error = relative_error(outputs[name], ref)
-            assert error < tolerance, f"{name}: relative error {error:.2e} >= {tolerance:.0e}"
+    assert_terms_match(outputs, run_oracle(inputs, tangents, causal=causal, scale=scale, key_mask=key_mask), tolerance)
 
 
 def check(gen, shape, tangents, *, causal, dtype=EXACT, scale=None, layout="contiguous", key_mask=None):

@@ -1,4 +1,5 @@
-"""The long-context LM recipe at micro scale on the CPU: training, resume, logs, configs, data."""
+"""The long-context LM recipe at micro scale on the CPU: training, logs, configs, checkpoints of another
+model, data, the model, the optimizers (what all three recipes share is tested in test_recipes.py)."""
 
 from __future__ import annotations
 
@@ -13,29 +14,13 @@ import torch
 from omegaconf import OmegaConf
 from wandb.proto import wandb_internal_pb2
 
-from recipes.common import run_folder
-from recipes.lm import checkpoint, data, optimizers
+from recipes.common import checkpoint, data, run_folder
+from recipes.common.config import ConfigError
+from recipes.lm import optimizers
 from recipes.lm.__main__ import main
 from recipes.lm.model import GPT, cross_entropy
-from recipes.lm.train import ConfigError, load_config, train
-from recipes.meta.train import train as train_meta
-from tests.test_meta import micro_config as meta_config
-
-CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "lm"
-MICRO = [
-    "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-    "data.max_bytes=200000", "data.val_fraction=0.1", "data.context_length=64", "data.batch_size=4",
-    "optimizer.lr=1e-2", "optimizer.warmup_steps=4", "train.steps=20", "train.eval_interval=10",
-    "train.eval_batches=2", "train.log_interval=1", "train.progress=false", "logger.kind=none",
-]
-
-
-def micro_config(tmp_path: Path, *overrides: str):
-    return load_config(str(CONFIGS / "tiny.yaml"), [*MICRO, f"out_dir={tmp_path}", *overrides])
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+from recipes.lm.train import load_config, train
+from tests.runs import LM, META, read_jsonl
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -66,39 +51,15 @@ def wandb_records(path: Path):
 
 
 def test_adamw_loss_falls(tmp_path):
-    summary = train(micro_config(tmp_path, "train.steps=30"))
+    summary = train(LM.config(tmp_path, "train.steps=30"))
     curve = losses(tmp_path / "tiny")
     assert sorted(curve) == list(range(1, 31))
     assert np.mean([curve[s] for s in (28, 29, 30)]) < np.mean([curve[s] for s in (1, 2, 3)]) - 1.0
     assert summary["val/loss"] < curve[1]
 
 
-def test_resume_continues_exactly(tmp_path):
-    """2N uninterrupted steps vs N steps then a resumed process: the same losses and weights, bit for bit."""
-    settings = ("train.steps=16", "train.checkpoint_interval=8", "train.keep_checkpoints=0", "model.dropout=0.1")
-    train(micro_config(tmp_path, "name=whole", *settings))
-    halfway = tmp_path / "whole" / "checkpoints" / "step_00000008.pt"
-    train(micro_config(tmp_path, "name=resumed", f"train.resume={halfway}", *settings))
-    whole, resumed = losses(tmp_path / "whole"), losses(tmp_path / "resumed")
-    assert sorted(resumed) == list(range(9, 17))
-    assert all(resumed[s] == whole[s] for s in resumed)
-    final = [checkpoint.load(tmp_path / run / "checkpoints" / "step_00000016.pt")["model"]
-             for run in ("whole", "resumed")]
-    assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
-
-
-def test_resume_auto_and_command_line(tmp_path, capsys):
-    """``--resume auto`` picks up the run's newest checkpoint and runs only the remaining steps."""
-    args = ["--config", str(CONFIGS / "tiny.yaml"), *MICRO, f"out_dir={tmp_path}", "train.steps=6"]
-    main(args)
-    main([*args[:-1], "train.steps=10", "--resume", "auto"])
-    steps = [row["step"] for row in read_jsonl(tmp_path / "tiny" / "metrics.jsonl") if "train/loss" in row]
-    assert steps == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
-    assert "val/loss=" in capsys.readouterr().err
-
-
 def test_jsonl_log_holds_the_metrics(tmp_path):
-    train(micro_config(tmp_path, "train.steps=10", "train.log_interval=5"))
+    train(LM.config(tmp_path, "train.steps=10", "train.log_interval=5"))
     rows = read_jsonl(tmp_path / "tiny" / "metrics.jsonl")
     assert [row["step"] for row in rows] == [1, 5, 10]
     for key in ("train/loss", "train/perplexity", "train/tokens_per_s", "train/lr", "optimizer/grad_norm"):
@@ -108,7 +69,7 @@ def test_jsonl_log_holds_the_metrics(tmp_path):
 
 
 def test_wandb_offline_run_holds_the_logged_keys(tmp_path):
-    train(micro_config(tmp_path, "train.steps=10", "logger.kind=wandb"))
+    train(LM.config(tmp_path, "train.steps=10", "logger.kind=wandb"))
     (run_file,) = (tmp_path / "tiny" / "wandb").glob("offline-run-*/run-*.wandb")
     records = list(wandb_records(run_file))
     history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
@@ -120,34 +81,6 @@ def test_wandb_offline_run_holds_the_logged_keys(tmp_path):
     (run,) = [r.run for r in records if r.HasField("run")]
     config = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in run.config.update}
     assert config["model"]["d_model"] == 32 and config["data"]["context_length"] == 64
-
-
-@pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        (["data.context_length=0"], "data.context_length must be > 0"),
-        (["model.d_model=abc"], "'model.d_model'"),
-        (["model.widht=3"], "'model.widht'"),
-        (["optimizer.name=sgd"], "choose one of adahessian, adamw, newtoncg, sophiag, sophiah"),
-        (["model.norm=batchnorm"], "model.norm must be one of rmsnorm, layernorm"),
-        (["model.d_model=30"], "model.d_model (30) must be model.n_heads (4) times an even head_dim"),
-        (["data.val_fraction=1.5"], "data.val_fraction must be in (0, 1)"),
-        (["data.source=text", "data.path=/nonexistent/*.txt"], "data.path '/nonexistent/*.txt' matches no files"),
-        (["data.source=binary", "data.path=/nonexistent.bin"], "data.path '/nonexistent.bin' is not a file"),
-        (["name=../../escape"], "name must be a relative folder name inside out_dir, without '..'; got '../../escape'"),
-        (["name=a/../../b"], "name must be a relative folder name inside out_dir, without '..'; got 'a/../../b'"),
-        (["name=${oc.env:HOME}"], (f"name must be a relative folder name inside out_dir, without '..'; got "
-                                   f"{str(Path.home())!r}")),
-        (["name=."], "name must be a relative folder name inside out_dir, without '..'; got '.'"),
-        (["name=${oc.env:FLASHBOB_UNSET_VARIABLE}"], ("bad config key 'name': KeyError raised while resolving "
-                                                      "interpolation: \"Environment variable 'FLASHBOB_UNSET_VARIABLE' "
-                                                      "not found\"")),
-    ],
-)
-def test_bad_config_is_rejected_naming_the_key(tmp_path, overrides, message):
-    with pytest.raises(ConfigError) as error:
-        micro_config(tmp_path, *overrides)
-    assert message in str(error.value)
 
 
 @pytest.mark.parametrize(
@@ -182,7 +115,7 @@ MISMATCHES = [
 def test_resuming_a_checkpoint_of_another_model_or_optimizer_is_one_line(tmp_path, capsys):
     """Before: ``KeyError: 'update_period'`` (AdamW state into SophiaH), torch's multi-line size
     mismatch or Batches' ValueError, each with a traceback."""
-    args = ["--config", str(CONFIGS / "tiny.yaml"), *MICRO, f"out_dir={tmp_path}", "train.steps=2"]
+    args = LM.arguments(tmp_path, "train.steps=2")
     main(args)
     source = tmp_path / "tiny" / "checkpoints" / "step_00000002.pt"
     for overrides, message in MISMATCHES:
@@ -197,31 +130,24 @@ def test_resuming_a_checkpoint_of_another_model_or_optimizer_is_one_line(tmp_pat
 
 
 def test_resuming_another_recipes_checkpoint_is_one_line(tmp_path):
-    train_meta(meta_config(tmp_path, "train.steps=1"))
+    META.train(META.config(tmp_path, "train.steps=1"))
     source = tmp_path / "meta_tiny" / "checkpoints" / "step_00000001.pt"
     with pytest.raises(ConfigError, match=f"^train.resume: checkpoint {source} holds Transformer model state; this "
                                           "run's model is GPT$"):
-        train(micro_config(tmp_path, f"train.resume={source}"))
-
-
-def test_bad_config_on_the_command_line_exits_with_the_message(capsys):
-    with pytest.raises(SystemExit) as exit_:
-        main(["--config", str(CONFIGS / "tiny.yaml"), "train.stpes=5"])
-    assert exit_.value.code == 2
-    assert "'train.stpes'" in capsys.readouterr().err
+        train(LM.config(tmp_path, f"train.resume={source}"))
 
 
 def test_logger_none_shorthand(tmp_path):
-    assert micro_config(tmp_path, "logger=none").logger.kind == "none"
+    assert LM.config(tmp_path, "logger=none").logger.kind == "none"
 
 
 @pytest.mark.parametrize("name", ["gpu_8k", "gpu_32k", "gpu_64k"])
 def test_gpu_configs_validate_and_build(name, tmp_path):
     """Each GPU config validates as written, and its model runs at its full size on a short sequence."""
-    cfg = load_config(str(CONFIGS / f"{name}.yaml"))
+    cfg = load_config(str(LM.configs / f"{name}.yaml"))
     assert cfg.data.context_length == {"gpu_8k": 8192, "gpu_32k": 32768, "gpu_64k": 65536}[name]
     assert cfg.train.dtype == "bfloat16" and cfg.train.device == "cuda"
-    model = GPT(**{**dict(cfg.model), "attention_backend": "blocked"})
+    model = GPT(**{**dict(cfg.model), "attention": "blocked"})
     tokens = torch.randint(0, 256, (1, 17))
     loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
     assert torch.isfinite(loss)
@@ -277,6 +203,18 @@ def test_checkpoint_keeps_the_newest(tmp_path):
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step_00000002.pt", "step_00000003.pt"]
 
 
+def test_attention_setting_picks_flashbob_or_eager_attention():
+    """``model.attention``: flashbob's blocked backend and naive eager attention give the same logits."""
+    tokens = torch.randint(0, 256, (2, 17))
+    logits = {}
+    for attention in ("blocked", "eager"):
+        torch.manual_seed(0)
+        logits[attention] = GPT(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, attention=attention).double()(tokens)
+    torch.testing.assert_close(logits["blocked"], logits["eager"], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="attention must be one of auto, triton, blocked, eager, got 'flashbob'"):
+        GPT(attention="flashbob")
+
+
 def test_model_is_twice_differentiable_with_activation_checkpointing():
     """Hessian-vector products agree with and without recomputation (what second-order optimizers need)."""
     tokens = torch.randint(0, 256, (2, 33))
@@ -317,9 +255,8 @@ class ClosureNewton(torch.optim.Optimizer):
 
 def test_second_order_step_through_a_closure(tmp_path, monkeypatch):
     """The recipe's closure path: no backward by the recipe, ``(loss, logits)`` returned, stats logged."""
-    spec = optimizers.OptimizerSpec(__name__, "ClosureNewton", second_order=True, closure_returns_logits=True)
-    monkeypatch.setitem(optimizers.REGISTRY, "closure_newton", spec)
-    train(micro_config(tmp_path, "optimizer.name=closure_newton", "optimizer.lr=0.5", "train.steps=3"))
+    monkeypatch.setitem(optimizers.OPTIMIZERS, "closure_newton", ClosureNewton)
+    train(LM.config(tmp_path, "optimizer.name=closure_newton", "optimizer.lr=0.5", "train.steps=3"))
     rows = [row for row in read_jsonl(tmp_path / "tiny" / "metrics.jsonl") if "train/loss" in row]
     assert len(rows) == 3 and all(np.isfinite(row["optimizer/curvature"]) for row in rows)
     assert rows[0]["optimizer/logits_seen"] == 4 * 64 * 256
@@ -328,14 +265,10 @@ def test_second_order_step_through_a_closure(tmp_path, monkeypatch):
 FEW_CG_ITERATIONS = {"newtoncg": ["optimizer.kwargs={max_cg_iters: 3}"]}
 
 
-@pytest.mark.parametrize("name", sorted(n for n, s in optimizers.REGISTRY.items() if s.second_order))
+@pytest.mark.parametrize("name", sorted(n for n, c in optimizers.OPTIMIZERS.items() if optimizers.is_second_order(c)))
 def test_second_order_optimizers_train(name, tmp_path):
     """Each second-order optimizer of the registry trains the model a few steps and reports its stats."""
-    try:
-        optimizers.spec(name).load()
-    except NotImplementedError as error:
-        pytest.skip(str(error))
-    train(micro_config(tmp_path, f"optimizer.name={name}", "optimizer.lr=1e-3", "train.steps=3",
+    train(LM.config(tmp_path, f"optimizer.name={name}", "optimizer.lr=1e-3", "train.steps=3",
                        *FEW_CG_ITERATIONS.get(name, [])))
     rows = [row for row in read_jsonl(tmp_path / "tiny" / "metrics.jsonl") if "train/loss" in row]
     assert len(rows) == 3 and all(np.isfinite(row["train/loss"]) for row in rows)

@@ -1,44 +1,26 @@
-"""The MAML recipe at micro scale on the CPU: exact meta-gradients, training, resume, logs, configs."""
+"""The MAML recipe at micro scale on the CPU: exact meta-gradients, training and its log, shipped configs,
+task streams (what all three recipes share is tested in test_recipes.py)."""
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from recipes.common.config import ConfigError
+from recipes.common import checkpoint
 from recipes.common.transformer import Transformer
-from recipes.lm import checkpoint
 from recipes.meta import maml
-from recipes.meta.__main__ import main
 from recipes.meta.tasks import TaskStream
 from recipes.meta.train import build_model, load_config, train
-
-CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "meta"
-MICRO = [
-    "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "task.seq_len=12", "task.k_query=3",
-    "maml.meta_batch=2", "train.steps=12", "train.eval_interval=6", "train.eval_tasks=6", "train.log_interval=1",
-    "train.progress=false", "logger.kind=none",
-]
-
-
-def micro_config(tmp_path: Path, *overrides: str):
-    return load_config(str(CONFIGS / "tiny.yaml"), [*MICRO, f"out_dir={tmp_path}", *overrides])
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+from tests.runs import META, ROOT, read_jsonl
 
 
 def small_setup(attention: str, seed: int = 0, causal: bool = False):
     """A float64 two-layer classifier and two 3-way 2-shot tasks."""
     torch.manual_seed(seed)
     model = Transformer(vocab_size=8, n_outputs=3, d_model=16, n_layers=2, n_heads=2, mlp_ratio=2.0, causal=causal,
-                        readout="mean", attention=attention, backend="blocked").double()
+                        readout="mean", attention=attention).double()
     stream = TaskStream("prototype", n_way=3, k_shot=2, k_query=2, seq_len=10, vocab_size=8, noise=0.3, seed=seed)
     return model, stream.next(2)
 
@@ -85,7 +67,7 @@ def assert_close(a, b, rtol=1e-9, atol=1e-11):
 @pytest.mark.parametrize("causal", [False, True])
 def test_second_order_meta_gradient_is_exact(steps, causal):
     """torchopt + flashbob == torchopt + naive attention == torch.func + naive == torch.func + flashbob."""
-    flash, tasks = small_setup("flashbob", causal=causal)
+    flash, tasks = small_setup("blocked", causal=causal)
     eager, _ = small_setup("eager", causal=causal)
     reference = torchopt_meta_gradient(eager, tasks, steps, 0.5, first_order=False)
     assert_close(torchopt_meta_gradient(flash, tasks, steps, 0.5, first_order=False), reference)
@@ -94,7 +76,7 @@ def test_second_order_meta_gradient_is_exact(steps, causal):
 
 
 def test_first_order_meta_gradient_is_exact_and_differs_from_second_order():
-    flash, tasks = small_setup("flashbob")
+    flash, tasks = small_setup("blocked")
     eager, _ = small_setup("eager")
     first = torchopt_meta_gradient(flash, tasks, 2, 0.5, first_order=True)
     assert_close(first, torchopt_meta_gradient(eager, tasks, 2, 0.5, first_order=True))
@@ -106,14 +88,14 @@ def test_first_order_meta_gradient_is_exact_and_differs_from_second_order():
 
 def test_second_order_meta_adam_matches_naive_attention():
     """The same through torchopt.MetaAdam (its moments are differentiated too)."""
-    flash, tasks = small_setup("flashbob", seed=1)
+    flash, tasks = small_setup("blocked", seed=1)
     eager, _ = small_setup("eager", seed=1)
     assert_close(torchopt_meta_gradient(flash, tasks, 2, 1e-2, False, "adam"),
                  torchopt_meta_gradient(eager, tasks, 2, 1e-2, False, "adam"), rtol=1e-8, atol=1e-10)
 
 
 def test_meta_backward_restores_the_meta_parameters():
-    model, tasks = small_setup("flashbob")
+    model, tasks = small_setup("blocked")
     before = {n: p for n, p in model.named_parameters()}
     values = {n: p.detach().clone() for n, p in before.items()}
     torchopt_meta_gradient(model, tasks, 2, 0.5, first_order=False)
@@ -122,7 +104,7 @@ def test_meta_backward_restores_the_meta_parameters():
 
 
 def test_second_order_meta_training_learns_and_logs(tmp_path):
-    summary = train(micro_config(tmp_path, "model.d_model=64", "task.seq_len=16", "maml.meta_batch=4",
+    summary = train(META.config(tmp_path, "model.d_model=64", "task.seq_len=16", "maml.meta_batch=4",
                                  "train.steps=20", "train.eval_interval=10", "train.eval_tasks=8"))
     rows = read_jsonl(tmp_path / "meta_tiny" / "metrics.jsonl")
     assert [row["step"] for row in rows] == list(range(1, 21))
@@ -136,66 +118,10 @@ def test_second_order_meta_training_learns_and_logs(tmp_path):
     assert [p.name for p in checkpoint.checkpoints(tmp_path / "meta_tiny" / "checkpoints")] == ["step_00000020.pt"]
 
 
-def test_resume_continues_exactly(tmp_path):
-    settings = ("train.steps=6", "train.checkpoint_interval=3", "train.keep_checkpoints=0", "train.eval_interval=3")
-    train(micro_config(tmp_path, "name=whole", *settings))
-    halfway = tmp_path / "whole" / "checkpoints" / "step_00000003.pt"
-    train(micro_config(tmp_path, "name=resumed", f"train.resume={halfway}", *settings))
-    whole, resumed = (read_jsonl(tmp_path / run / "metrics.jsonl") for run in ("whole", "resumed"))
-    assert [row["step"] for row in resumed] == [4, 5, 6]
-    drop = ("time", "meta_train/step_s")
-    strip = [{k: v for k, v in row.items() if k not in drop} for row in whole[3:]]
-    assert strip == [{k: v for k, v in row.items() if k not in drop} for row in resumed]
-    final = [checkpoint.load(tmp_path / run / "checkpoints" / "step_00000006.pt")["model"]
-             for run in ("whole", "resumed")]
-    assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
-
-
-def test_command_line_resume_auto_and_wandb_offline(tmp_path, capsys):
-    args = ["--config", str(CONFIGS / "tiny.yaml"), *MICRO, f"out_dir={tmp_path}", "logger.kind=wandb",
-            "maml.first_order=true", "maml.inner_optimizer=adam", "maml.inner_lr=0.01"]
-    main([*args, "train.steps=2"])
-    main([*args, "train.steps=4", "--resume", "auto"])
-    rows = read_jsonl(tmp_path / "meta_tiny" / "metrics.jsonl")
-    assert [row["step"] for row in rows] == [1, 2, 3, 4]
-    assert "meta_test/query_accuracy=" in capsys.readouterr().err
-    run_files = list((tmp_path / "meta_tiny" / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert len(run_files) == 2 and all(b"meta_train/query_loss" in f.read_bytes() for f in run_files)
-    run_id = (tmp_path / "meta_tiny" / "wandb_run_id").read_text().strip()
-    assert all(f.name == f"run-{run_id}.wandb" for f in run_files), "the resumed process continues the same W&B run"
-
-
-@pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        (["maml.inner_stesp=3"], "'maml.inner_stesp'"),
-        (["task.n_way=abc"], "'task.n_way'"),
-        (["maml.inner_optimizer=rmsprop"], "maml.inner_optimizer must be one of sgd, adam"),
-        (["task.family=omniglot"], "task.family must be one of prototype, motif"),
-        (["model.attention=sdpa"], "model.attention must be one of flashbob, eager"),
-        (["maml.inner_steps=0"], "maml.inner_steps must be > 0"),
-        (["task.noise=1.5"], "task.noise must be in [0, 1]"),
-        (["model.d_model=30"], "model.d_model (30) must be model.n_heads (4) times an even head_dim"),
-        (["name=/tmp/elsewhere"], "name must be a relative folder name inside out_dir, without '..'; got '/tmp/elsewhere'"),
-    ],
-)
-def test_bad_config_is_rejected_naming_the_key(tmp_path, overrides, message):
-    with pytest.raises(ConfigError) as error:
-        micro_config(tmp_path, *overrides)
-    assert message in str(error.value)
-
-
-def test_bad_config_on_the_command_line_exits_with_the_message(capsys):
-    with pytest.raises(SystemExit) as exit_:
-        main(["--config", str(CONFIGS / "tiny.yaml"), "maml.frist_order=true"])
-    assert exit_.value.code == 2
-    assert "'maml.frist_order'" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("name", sorted(p.stem for p in CONFIGS.glob("*.yaml")))
+@pytest.mark.parametrize("name", sorted(p.stem for p in META.configs.glob("*.yaml")))
 def test_shipped_configs_validate_and_build(name):
     """Each shipped config validates as written, and its model runs at full width on short sequences."""
-    cfg = load_config(str(CONFIGS / f"{name}.yaml"), ["model.backend=blocked"])
+    cfg = load_config(str(META.configs / f"{name}.yaml"), ["model.attention=blocked"])
     model = build_model(cfg)
     logits = model(torch.randint(0, cfg.task.vocab_size, (2, 9)))
     assert logits.shape == (2, cfg.task.n_way) and torch.isfinite(logits).all()
@@ -230,7 +156,7 @@ def test_maml_benchmark_smoke_and_out_of_memory(tmp_path, monkeypatch):
     import csv
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_maml", CONFIGS.parent.parent / "benchmarks" / "bench_maml.py")
+    spec = importlib.util.spec_from_file_location("bench_maml", ROOT / "benchmarks" / "bench_maml.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     measure = bench.measure

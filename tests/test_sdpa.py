@@ -13,13 +13,7 @@ from flashbob import dropin
 from flashbob.dropin import FallbackError, FallbackWarning, naive_attention
 
 TORCH_SDPA = F.scaled_dot_product_attention
-
-
-@pytest.fixture(autouse=True)
-def fresh_warnings():
-    dropin._warned.clear()
-    yield
-    flashbob.set_strict(None)
+pytestmark = pytest.mark.usefixtures("fresh_fallback")  # no fallback warned about yet, strict mode reset
 
 
 def qkv(gen, batch=2, heads=4, kv_heads=2, n=9, m=11, d=8, lead=()):

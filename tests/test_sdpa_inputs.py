@@ -18,13 +18,7 @@ from flashbob.dropin import FallbackError, FallbackWarning
 from tests.helpers import BACKENDS, assert_matches, exact_tolerance, on_backend
 
 TORCH_SDPA = F.scaled_dot_product_attention
-
-
-@pytest.fixture(autouse=True)
-def fresh_warnings():
-    dropin._warned.clear()
-    yield
-    flashbob.set_strict(None)
+pytestmark = pytest.mark.usefixtures("fresh_fallback")  # no fallback warned about yet, strict mode reset
 
 
 def qkv(gen, batch=2, heads=2, kv_heads=1, n=5, m=7, d=4):

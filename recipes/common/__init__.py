@@ -1,2 +1,4 @@
-"""Pieces the three recipes share: config loading and checks, the command line, the run folder
-(lock, leftover cleanup, verified resume) and a small transformer."""
+"""What the three recipes share: config loading and checks (``config``), the command line (``cli``),
+the training loop (``training``), the run folder, its checkpoints and metrics log (``run_folder``,
+``checkpoint``, ``logger``), data-parallel set-up (``distributed``), byte-level data (``data``), the
+learning-rate schedule (``schedule``) and a small transformer (``transformer``)."""

@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 
 from recipes.common.config import ConfigError
 from recipes.common.run_folder import RunLockedError
-from recipes.lm.checkpoint import CheckpointReadError, CheckpointWriteError
+from recipes.common.checkpoint import CheckpointReadError, CheckpointWriteError
 
 
 def run(

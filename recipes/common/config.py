@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import PurePath
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from recipes.lm import data
+from recipes.common import data
 
 
 class ConfigError(ValueError):
@@ -45,8 +45,17 @@ class LoggerConfig:
     wandb_mode: str = "offline"  # offline (files only, `wandb sync` later) | online (needs `wandb login`) | disabled
 
 
-def load(schema: type, path: str | None, overrides: Iterable[str]) -> DictConfig:
-    """``schema``'s defaults, updated by the YAML file ``path`` and then by ``key=value`` ``overrides``.
+# Keys of earlier versions, refused with their new spelling: one attention setting in every recipe.
+RENAMED = {
+    "model.attention_backend": "model.attention (auto, triton or blocked: flashbob's backend; or eager)",
+    "model.backend": "part of model.attention (auto, triton or blocked: flashbob's backend; or eager)",
+}
+
+
+def load(schema: type, path: str | None, overrides: Iterable[str],
+         validate: Callable[[DictConfig], None] = lambda cfg: None) -> DictConfig:
+    """``schema``'s defaults, updated by the YAML file ``path`` and then by ``key=value`` ``overrides``,
+    then checked by ``validate``.
 
     ``logger: none`` is accepted as shorthand for ``logger.kind: none``. Interpolations
     (``${oc.env:HOME}``) are resolved once here, so one that fails is reported now.
@@ -55,15 +64,24 @@ def load(schema: type, path: str | None, overrides: Iterable[str]) -> DictConfig
         sources = [load_yaml(path)] if path else []
         sources.append(OmegaConf.from_dotlist(list(overrides)))
         for source in sources:
+            check_renamed(source)
             if isinstance(source.get("logger"), str):
                 source.logger = {"kind": source.logger}
         cfg = OmegaConf.merge(OmegaConf.structured(schema), *sources)
         OmegaConf.to_container(cfg, resolve=True)
-        return cfg
     except OmegaConfBaseException as error:
         key = getattr(error, "full_key", None)
         message = str(getattr(error, "msg", error)).splitlines()[0]
         raise ConfigError(f"bad config key {key!r}: {message}" if key else f"bad config: {message}") from None
+    validate(cfg)
+    return cfg
+
+
+def check_renamed(source: DictConfig) -> None:
+    """Raise :class:`ConfigError` for a key of :data:`RENAMED`, saying what it is now."""
+    for old, new in RENAMED.items():
+        if OmegaConf.select(source, old) is not None:
+            raise ConfigError(f"{old} is now {new}")
 
 
 def load_yaml(path: str) -> DictConfig:
@@ -122,8 +140,11 @@ def check_name(name: str) -> None:
         raise ConfigError(f"name must be a relative folder name inside out_dir, without '..'; got {name!r}")
 
 
-def check_data_path(data_cfg: DictConfig) -> None:
-    """``data.path`` must name the files of the text (a glob) and binary (one file) sources."""
+def check_data(data_cfg: DictConfig) -> None:
+    """``data.val_fraction`` must be in (0, 1) and ``data.path`` name the files of the text (a glob)
+    and binary (one file) sources."""
+    if not 0 < data_cfg.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction must be in (0, 1), got {data_cfg.val_fraction}")
     if data_cfg.source == "stdlib":
         return
     if not data_cfg.path:

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from recipes.common.config import ConfigError
-from recipes.lm import checkpoint
+from recipes.common import checkpoint
 
 LOCK_NAME = "run.lock"
 

@@ -1,4 +1,5 @@
-"""A small pre-norm transformer whose attention is :func:`flashbob.attention` or naive eager attention.
+"""A small pre-norm transformer whose attention is :func:`flashbob.attention`, naive eager attention or any
+attention function; the model of the MAML and TTT recipes, the benchmarks and the tests.
 
 Every projection is a plain matrix applied as ``x @ W``, so a weight may be replaced (through
 :func:`torch.func.functional_call` or torchopt's meta-optimizers) by a tensor with a leading batch
@@ -19,18 +20,38 @@ from torch import nn
 import flashbob
 from flashbob import reference
 
-ATTENTION = ("flashbob", "eager")
+#: ``(q, k, v, *, causal) -> o``, each ``(batch, heads, seq, head_dim)``; ``k`` and ``v`` may have fewer heads (GQA)
+AttentionFn = Callable[..., torch.Tensor]
 BACKENDS = ("auto", "triton", "blocked")
+ATTENTION = (*BACKENDS, "eager")
 
 
-def attention_function(kind: str, backend: str = "auto") -> Callable[..., torch.Tensor]:
-    """``flashbob``: :func:`flashbob.attention` on ``backend`` (twice differentiable, no ``N x N`` tensor);
-    ``eager``: :func:`flashbob.reference.attention` (materialises the scores, PyTorch autograd)."""
-    if kind == "flashbob":
-        return lambda q, k, v, causal: flashbob.attention(q, k, v, causal=causal, backend=backend)
-    if kind == "eager":
-        return lambda q, k, v, causal: reference.attention(q, k, v, causal=causal)
-    raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {kind!r}")
+def attention_function(name: str) -> AttentionFn:
+    """The attention a model's ``attention`` setting names: ``auto``, ``triton`` or ``blocked``:
+    :func:`flashbob.attention` on that backend (twice differentiable, no ``N x N`` tensor; ``auto``:
+    Triton on CUDA, blocked PyTorch elsewhere); ``eager``: :func:`flashbob.reference.attention`
+    (naive, materialises the scores, PyTorch autograd: the reference). ``flashbob.attention`` is
+    looked up at each call, so patching it (as the benchmarks do) reaches every model built here."""
+    if name == "eager":
+        return reference.attention
+    if name not in BACKENDS:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {name!r}")
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
+        return flashbob.attention(q, k, v, causal=causal, backend=name)
+
+    return attend
+
+
+def kv_heads(d_model: int, n_heads: int, n_kv_heads: int | None) -> int:
+    """The key/value heads (``None``: ``n_heads``), after checking that ``d_model`` is ``n_heads`` times an
+    even head dimension (rotary embeddings turn channel pairs) and that they divide ``n_heads``."""
+    n_kv_heads = n_kv_heads or n_heads
+    if d_model % n_heads or (d_model // n_heads) % 2:
+        raise ValueError(f"d_model ({d_model}) must be n_heads ({n_heads}) times an even head dimension")
+    if n_heads % n_kv_heads:
+        raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+    return n_kv_heads
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -70,18 +91,25 @@ def matrix(fan_in: int, fan_out: int, gain: float = 1.0) -> nn.Parameter:
 
 
 class SelfAttention(nn.Module):
-    """Fused query/key/value projection, rotary positions, attention, output projection."""
+    """Fused query/key/value projection (``n_kv_heads`` key/value heads: grouped-query attention when
+    fewer than ``n_heads``), rotary positions, attention, output projection."""
 
-    def __init__(self, d_model: int, n_heads: int, causal: bool, rope_base: float, attend: Callable, out_gain: float):
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, causal: bool, rope_base: float,
+                 attend: AttentionFn, out_gain: float):
         super().__init__()
-        self.n_heads, self.causal, self.rope_base, self.attend = n_heads, causal, rope_base, attend
-        self.qkv = matrix(d_model, 3 * d_model)
+        self.n_heads, self.n_kv_heads, self.causal, self.rope_base, self.attend = (n_heads, n_kv_heads, causal,
+                                                                                  rope_base, attend)
+        head_dim = d_model // n_heads
+        self.widths = (n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim)
+        self.qkv = matrix(d_model, sum(self.widths))
         self.out = matrix(d_model, d_model, out_gain)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = rearrange(x @ self.qkv, "b n (three h d) -> three b h n d", three=3, h=self.n_heads)
+        q, k, v = (x @ self.qkv).split(self.widths, dim=-1)
+        q = rearrange(q, "b n (h d) -> b h n d", h=self.n_heads)
+        k, v = (rearrange(t, "b n (h d) -> b h n d", h=self.n_kv_heads) for t in (k, v))
         q, k = rotate(q, self.rope_base), rotate(k, self.rope_base)
-        o = self.attend(q, k, v, self.causal)
+        o = self.attend(q, k, v, causal=self.causal)
         return rearrange(o, "b h n d -> b n (h d)") @ self.out
 
 
@@ -100,11 +128,11 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, d_model: int, n_heads: int, mlp_ratio: float, causal: bool, rope_base: float,
-                 attend: Callable, out_gain: float):
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, mlp_ratio: float, causal: bool, rope_base: float,
+                 attend: AttentionFn, out_gain: float):
         super().__init__()
         self.norm1, self.norm2 = RMSNorm(d_model), RMSNorm(d_model)
-        self.attn = SelfAttention(d_model, n_heads, causal, rope_base, attend, out_gain)
+        self.attn = SelfAttention(d_model, n_heads, n_kv_heads, causal, rope_base, attend, out_gain)
         self.mlp = MLP(d_model, round(mlp_ratio * d_model), out_gain)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,23 +145,24 @@ class Transformer(nn.Module):
 
     ``readout="tokens"``: logits ``(batch, seq, n_outputs)`` at every position (a language model when
     ``causal``); ``readout="mean"``: logits ``(batch, n_outputs)`` of the mean-pooled sequence (a
-    sequence classifier).
+    sequence classifier). ``attention`` is a name of :data:`ATTENTION` (see :func:`attention_function`)
+    or an attention function ``(q, k, v, *, causal) -> o`` itself; ``n_kv_heads`` (default
+    ``n_heads``) must divide ``n_heads``.
     """
 
     def __init__(self, *, vocab_size: int, n_outputs: int, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
-                 mlp_ratio: float = 4.0, causal: bool = True, readout: str = "tokens", rope_base: float = 10000.0,
-                 attention: str = "flashbob", backend: str = "auto"):
+                 n_kv_heads: int | None = None, mlp_ratio: float = 4.0, causal: bool = True, readout: str = "tokens",
+                 rope_base: float = 10000.0, attention: str | AttentionFn = "auto"):
         super().__init__()
-        if d_model % n_heads or (d_model // n_heads) % 2:
-            raise ValueError(f"d_model ({d_model}) must be n_heads ({n_heads}) times an even head dimension")
+        n_kv_heads = kv_heads(d_model, n_heads, n_kv_heads)
         if readout not in ("tokens", "mean"):
             raise ValueError(f"readout must be 'tokens' or 'mean', got {readout!r}")
-        attend = attention_function(attention, backend)
+        attend = attention_function(attention) if isinstance(attention, str) else attention
         self.readout = readout
         self.embed = nn.Parameter(torch.randn(vocab_size, d_model))
         out_gain = 1 / math.sqrt(2 * n_layers)  # residual branches scaled down with depth
-        self.blocks = nn.ModuleList(Block(d_model, n_heads, mlp_ratio, causal, rope_base, attend, out_gain)
-                                    for _ in range(n_layers))
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, n_kv_heads, mlp_ratio, causal, rope_base, attend,
+                                          out_gain) for _ in range(n_layers))
         self.norm = RMSNorm(d_model)
         self.head = matrix(d_model, n_outputs)
 

@@ -1,4 +1,5 @@
-"""Decoder-only transformer whose attention runs through :func:`flashbob.attention`.
+"""Decoder-only transformer whose attention runs through :func:`flashbob.attention` (or, for comparison,
+naive eager attention: ``attention="eager"``).
 
 Pre-norm blocks (RMSNorm or LayerNorm), rotary position embeddings, grouped-query attention,
 a GELU or SwiGLU MLP and optionally tied input/output embeddings. Every operation is
@@ -16,8 +17,7 @@ from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-import flashbob
-from recipes.common.transformer import RMSNorm, rotate
+from recipes.common.transformer import AttentionFn, RMSNorm, attention_function, kv_heads, rotate
 
 
 def make_norm(kind: str, dim: int) -> nn.Module:
@@ -30,12 +30,13 @@ def make_norm(kind: str, dim: int) -> nn.Module:
 
 
 class CausalSelfAttention(nn.Module):
-    """Query/key/value projections, RoPE, causal flashbob attention, output projection."""
+    """Query/key/value projections, RoPE, causal attention, output projection."""
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, rope_base: float, backend: str, dropout: float):
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, rope_base: float, attend: AttentionFn,
+                 dropout: float):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, d_model // n_heads
-        self.rope_base, self.backend = rope_base, backend
+        self.rope_base, self.attend = rope_base, attend
         self.q = nn.Linear(d_model, n_heads * self.head_dim, bias=False)
         self.kv = nn.Linear(d_model, 2 * n_kv_heads * self.head_dim, bias=False)
         self.out = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
@@ -45,7 +46,7 @@ class CausalSelfAttention(nn.Module):
         q = rearrange(self.q(x), "b n (h d) -> b h n d", h=self.n_heads)
         k, v = rearrange(self.kv(x), "b n (two h d) -> two b h n d", two=2, h=self.n_kv_heads)
         q, k = rotate(q, self.rope_base), rotate(k, self.rope_base)
-        o = flashbob.attention(q, k, v, causal=True, backend=self.backend)
+        o = self.attend(q, k, v, causal=True)
         return self.dropout(self.out(rearrange(o, "b h n d -> b n (h d)")))
 
 
@@ -75,10 +76,10 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, d_model, n_heads, n_kv_heads, norm, mlp, mlp_ratio, rope_base, attention_backend, dropout):
+    def __init__(self, d_model, n_heads, n_kv_heads, norm, mlp, mlp_ratio, rope_base, attend, dropout):
         super().__init__()
         self.norm1, self.norm2 = make_norm(norm, d_model), make_norm(norm, d_model)
-        self.attn = CausalSelfAttention(d_model, n_heads, n_kv_heads, rope_base, attention_backend, dropout)
+        self.attn = CausalSelfAttention(d_model, n_heads, n_kv_heads, rope_base, attend, dropout)
         self.mlp = MLP(d_model, mlp, mlp_ratio, dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,18 +105,15 @@ class GPT(nn.Module):
         tie_embeddings: bool = True,
         dropout: float = 0.0,
         checkpoint_activations: bool = False,
-        attention_backend: str = "auto",
+        attention: str = "auto",
     ):
         super().__init__()
-        n_kv_heads = n_kv_heads or n_heads
-        if d_model % n_heads or (d_model // n_heads) % 2:
-            raise ValueError(f"d_model ({d_model}) must be n_heads ({n_heads}) times an even head dimension")
-        if n_heads % n_kv_heads:
-            raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        n_kv_heads = kv_heads(d_model, n_heads, n_kv_heads)
         self.checkpoint_activations = checkpoint_activations
+        attend = attention_function(attention)
         self.embed = nn.Embedding(vocab_size, d_model)
         self.blocks = nn.ModuleList(
-            Block(d_model, n_heads, n_kv_heads, norm, mlp, mlp_ratio, rope_base, attention_backend, dropout)
+            Block(d_model, n_heads, n_kv_heads, norm, mlp, mlp_ratio, rope_base, attend, dropout)
             for _ in range(n_layers)
         )
         self.norm = make_norm(norm, d_model)

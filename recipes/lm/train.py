@@ -24,24 +24,22 @@ holds ``run.lock`` there while it runs (see :mod:`recipes.common.run_folder`).
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import math
-import time
-import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
 
 from recipes.common import config as configs
-from recipes.common import run_folder
+from recipes.common import data, distributed, training
 from recipes.common.config import ConfigError
-from recipes.lm import checkpoint, data, distributed, optimizers
-from recipes.lm.logger import RunLogger
+from recipes.common.schedule import build_scheduler
+from recipes.common.training import Autocast, Recipe, StepResult
+from recipes.common.transformer import ATTENTION
+from recipes.lm import optimizers
 from recipes.lm.model import GPT, cross_entropy
 
 
@@ -59,7 +57,7 @@ class ModelConfig:
     tie_embeddings: bool = True  # output head shares the token embedding matrix
     dropout: float = 0.0  # after attention and MLP outputs
     checkpoint_activations: bool = False  # recompute each block in backward (torch.utils.checkpoint)
-    attention_backend: str = "auto"  # auto (Triton on CUDA, blocked PyTorch elsewhere) | triton | blocked
+    attention: str = "auto"  # flashbob backend auto (Triton on CUDA, else blocked) | triton | blocked, or eager (naive)
 
 
 @dataclass
@@ -116,7 +114,7 @@ class Config:
 CHOICES = {
     "model.norm": ("rmsnorm", "layernorm"),
     "model.mlp": ("swiglu", "gelu"),
-    "model.attention_backend": ("auto", "triton", "blocked"),
+    "model.attention": ATTENTION,
     "data.source": ("stdlib", "text", "binary"),
     "data.binary_dtype": tuple(data.BINARY_DTYPES),
 }
@@ -136,26 +134,22 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(
             f"model.n_heads ({m.n_heads}) must be a positive multiple of model.n_kv_heads ({m.n_kv_heads})"
         )
-    if not 0 < cfg.data.val_fraction < 1:
-        raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
-    configs.check_data_path(cfg.data)
+    configs.check_data(cfg.data)
     try:
-        spec = optimizers.spec(cfg.optimizer.name)
+        optimizer = optimizers.optimizer_class(cfg.optimizer.name)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    if spec.second_order and cfg.train.grad_accum_steps != 1:
+    if optimizers.is_second_order(optimizer) and cfg.train.grad_accum_steps != 1:
         raise ConfigError(f"train.grad_accum_steps must be 1 for the second-order optimizer {cfg.optimizer.name}")
 
 
 def load_config(path: str | None = None, overrides: list[str] = ()) -> DictConfig:
     """The schema's defaults, updated by the YAML file ``path`` and then by ``key=value`` ``overrides``."""
-    cfg = configs.load(Config, path, overrides)
-    validate(cfg)
-    return cfg
+    return configs.load(Config, path, overrides, validate)
 
 
 @torch.no_grad()
-def evaluate(model: GPT, forward, batches: data.Batches, n: int, device: torch.device,
+def evaluate(model: GPT, forward: optimizers.Forward, batches: data.Batches, n: int, device: torch.device,
              ctx: distributed.Context = distributed.Context()) -> float:
     """Mean loss over the first ``n`` batches of ``batches`` (the same ones every time), averaged over the ranks."""
     model.eval()
@@ -171,38 +165,61 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
     return {"train/max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30}
 
 
-def rng_states(opt: torch.optim.Optimizer) -> dict:
-    """This process's generator states: the global ones and the optimizer's own (probes), if it has
-    one, with the type of device that generator is on (CPU and CUDA generators differ in kind)."""
-    generator = getattr(opt, "generator", None)
-    return {**checkpoint.rng_state(), "optimizer": generator.get_state() if generator is not None else None,
-            "optimizer_device": generator.device.type if generator is not None else None}
+def build(cfg: DictConfig, device: torch.device, autocast: Autocast, ctx: distributed.Context) -> Recipe:
+    """This rank's data windows, the model (a DDP replica for AdamW under ``torchrun``), the optimizer
+    and its schedule, and the training step and validation."""
+    d, o, t = cfg.data, cfg.optimizer, cfg.train
+    corpus = data.load_corpus(d.source, d.path, d.max_bytes, d.val_fraction, d.binary_dtype)
+    shard = {"rank": ctx.rank, "world_size": ctx.world_size}
+    train_batches = data.Batches(corpus.train, d.context_length, d.batch_size, t.seed, "train", **shard)
+    val_batches = data.Batches(corpus.val, d.context_length, d.batch_size, t.seed + 1, "validation", **shard)
 
+    model = GPT(**OmegaConf.to_container(cfg.model)).to(device)
+    # AdamW: DDP averages the gradients in backward. Second order: no DDP (torch.autograd.grad bypasses
+    # its hooks); the optimizer averages gradients, curvature products and losses itself.
+    trained = model
+    if ctx.distributed and not optimizers.is_second_order(optimizers.optimizer_class(o.name)):
+        trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    else:
+        distributed.broadcast_module(model, ctx)
+    settings = {"lr": o.lr, "betas": tuple(o.betas) if o.betas else None, "eps": o.eps}
+    opt = optimizers.build_optimizer(model, o.name, {k: v for k, v in settings.items() if v is not None},
+                                     OmegaConf.to_container(o.kwargs), o.weight_decay, o.decay_all,
+                                     distributed=ctx.distributed)
+    scheduler = build_scheduler(opt, o.warmup_steps, t.steps, o.min_lr_ratio)
+    if ctx.distributed:  # the replicas start alike; dropout draws differ per rank
+        torch.manual_seed(t.seed + 7919 * ctx.rank)
 
-def restore_rng(state: dict, opt: torch.optim.Optimizer, ctx: distributed.Context) -> None:
-    """Restore this rank's generator states from a checkpoint written by as many processes; else keep fresh ones."""
-    per_rank = state.get("rng_ranks", [state["rng"]])
-    if len(per_rank) != ctx.world_size:
-        warnings.warn(f"the checkpoint was written by {len(per_rank)} process(es), this run has {ctx.world_size}: "
-                      "random-number states start afresh, so the run continues at the same data position but "
-                      "not bit for bit", RuntimeWarning, stacklevel=2)
-        return
-    mine = per_rank[ctx.rank]
-    checkpoint.set_rng_state(mine)
-    generator = getattr(opt, "generator", None)
-    if generator is None or mine.get("optimizer") is None:
-        return
-    saved_on = mine.get("optimizer_device")  # None in checkpoints written before it was recorded
-    problem = f"it was a {saved_on} generator's" if saved_on not in (None, generator.device.type) else None
-    if problem is None:
-        try:
-            generator.set_state(mine["optimizer"].cpu())
-        except RuntimeError as error:  # a CUDA generator's state does not fit a CPU generator, nor the reverse
-            problem = str(error)
-    if problem is not None:
-        warnings.warn(f"the optimizer's generator state in the checkpoint does not fit this run's "
-                      f"{generator.device.type} generator ({problem}): its random probes start afresh, so the "
-                      "run continues at the same step but not bit for bit", RuntimeWarning, stacklevel=2)
+    def forward_of(module: torch.nn.Module) -> optimizers.Forward:
+        def forward(inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            with autocast():
+                logits = module(inputs)
+            return cross_entropy(logits, targets), logits
+
+        return forward
+
+    forward = forward_of(trained)
+    tokens_per_step = d.batch_size * d.context_length * t.grad_accum_steps * ctx.world_size
+    no_sync = trained.no_sync if isinstance(trained, DistributedDataParallel) else None
+
+    def step() -> StepResult:
+        lr = {"train/lr": opt.param_groups[0]["lr"]} if "lr" in opt.param_groups[0] else {}
+        micro = [tuple(x.to(device) for x in train_batches.next()) for _ in range(t.grad_accum_steps)]
+        loss, stats = optimizers.train_step(opt, forward, micro, o.grad_clip, no_sync=no_sync)
+        loss = distributed.average(loss, ctx)
+        if scheduler is not None:
+            scheduler.step()
+        return StepResult(loss, lambda seconds: {
+            "train/loss": loss, "train/perplexity": math.exp(loss), "train/tokens_per_s": tokens_per_step / seconds,
+            "train/epoch": train_batches.epoch, **lr, **memory_metrics(device),
+            **{f"optimizer/{k}": v for k, v in stats.items()}})
+
+    def validation() -> dict[str, float]:
+        val = evaluate(model, forward_of(model), val_batches, t.eval_batches, device, ctx)
+        return {"val/loss": val, "val/perplexity": math.exp(val)}
+
+    parts = {"model": model, "optimizer": opt, "scheduler": scheduler, "data": train_batches}
+    return Recipe(parts, step, validation, generator=getattr(opt, "generator", None))
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -210,121 +227,4 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     Under ``torchrun`` every process calls this; see the module docstring.
     """
-    run_dir = Path(cfg.out_dir) / cfg.name
-    device, autocast_dtype = configs.resolve_device(cfg.train.device, cfg.train.dtype)
-    ctx = distributed.setup(device.type)
-    device = ctx.device if device.type == "cuda" else device
-    try:
-        with run_folder.claim(run_dir) if ctx.is_main else contextlib.nullcontext():
-            return _train(cfg, run_dir, ctx, device, autocast_dtype)
-    finally:
-        distributed.teardown(ctx)
-
-
-def _train(cfg: DictConfig, run_dir: Path, ctx: distributed.Context, device: torch.device,
-           autocast_dtype: torch.dtype | None) -> dict[str, float]:
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    torch.manual_seed(cfg.train.seed)
-
-    corpus = data.load_corpus(cfg.data.source, cfg.data.path, cfg.data.max_bytes, cfg.data.val_fraction,
-                              cfg.data.binary_dtype)
-    length, batch = cfg.data.context_length, cfg.data.batch_size
-    shard = {"rank": ctx.rank, "world_size": ctx.world_size}
-    train_batches = data.Batches(corpus.train, length, batch, cfg.train.seed, "train", **shard)
-    val_batches = data.Batches(corpus.val, length, batch, cfg.train.seed + 1, "validation", **shard)
-
-    model = GPT(**OmegaConf.to_container(cfg.model)).to(device)
-    spec = optimizers.spec(cfg.optimizer.name)
-    # AdamW: DDP averages the gradients in backward. Second order: no DDP (torch.autograd.grad bypasses
-    # its hooks); the optimizer averages gradients, curvature products and losses itself.
-    trained = model
-    if ctx.distributed and not spec.second_order:
-        trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    else:
-        distributed.broadcast_module(model, ctx)
-    o = cfg.optimizer
-    settings = {"lr": o.lr, "betas": tuple(o.betas) if o.betas else None, "eps": o.eps}
-    opt = optimizers.build_optimizer(model, o.name, {k: v for k, v in settings.items() if v is not None},
-                                     OmegaConf.to_container(o.kwargs), o.weight_decay, o.decay_all,
-                                     distributed=ctx.distributed)
-    scheduler = optimizers.build_scheduler(opt, o.warmup_steps, cfg.train.steps, o.min_lr_ratio)
-    if ctx.distributed:  # the replicas start alike; dropout draws differ per rank
-        torch.manual_seed(cfg.train.seed + 7919 * ctx.rank)
-
-    step = 0
-    parts = {"model": model, "optimizer": opt, "scheduler": scheduler, "data": train_batches}
-    resumed = run_folder.resume(cfg.train.resume, run_dir)
-    if resumed is not None:
-        source, state = resumed
-        run_folder.restore(source, state, **parts)
-        restore_rng(state, opt, ctx)
-        step = state["step"]
-
-    def forward_of(module: torch.nn.Module):
-        def forward(inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype
-                        else contextlib.nullcontext())
-            with autocast:
-                logits = module(inputs)
-            return cross_entropy(logits, targets), logits
-
-        return forward
-
-    forward = forward_of(trained)
-
-    def save_checkpoint() -> None:
-        rngs = distributed.gather(rng_states(opt), ctx)  # a collective: every rank takes part
-        if ctx.is_main:
-            state = {**run_folder.snapshot(**parts), "rng": rngs[0], "rng_ranks": rngs, "step": step,
-                     "world_size": ctx.world_size, "config": OmegaConf.to_container(cfg)}
-            checkpoint.save(run_dir / "checkpoints", step, state, keep=cfg.train.keep_checkpoints)
-
-    logger = None
-    if ctx.is_main:
-        OmegaConf.save(cfg, run_dir / "config.yaml")  # after resuming: a refused resume leaves it as it was
-        logger = RunLogger(run_dir, OmegaConf.to_container(cfg, resolve=True), kind=cfg.logger.kind,
-                           project=cfg.logger.project, name=cfg.name, wandb_mode=cfg.logger.wandb_mode,
-                           entity=cfg.logger.entity, start_step=step)
-    tokens_per_step = cfg.data.batch_size * cfg.data.context_length * cfg.train.grad_accum_steps * ctx.world_size
-    no_sync = trained.no_sync if isinstance(trained, DistributedDataParallel) else None
-    last: dict[str, float] = {}
-    bar = tqdm(total=cfg.train.steps, initial=step, disable=not (cfg.train.progress and ctx.is_main), desc=cfg.name,
-               unit="step")
-    try:
-        while step < cfg.train.steps:
-            start = time.perf_counter()
-            lr = {"train/lr": opt.param_groups[0]["lr"]} if "lr" in opt.param_groups[0] else {}
-            micro = [tuple(t.to(device) for t in train_batches.next()) for _ in range(cfg.train.grad_accum_steps)]
-            loss, stats = optimizers.train_step(opt, forward, micro, spec.second_order, spec.closure_returns_logits,
-                                                o.grad_clip, no_sync=no_sync)
-            loss = distributed.average(loss, ctx)
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"training loss became {loss} at step {step + 1}")
-            if scheduler is not None:
-                scheduler.step()
-            step += 1
-            elapsed = time.perf_counter() - start
-            bar.update()
-            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-            metrics = {}
-            if step % cfg.train.log_interval == 0 or step in (1, cfg.train.steps):
-                metrics.update({"train/loss": loss, "train/perplexity": math.exp(loss),
-                                "train/tokens_per_s": tokens_per_step / elapsed, "train/epoch": train_batches.epoch,
-                                **lr, **memory_metrics(device),
-                                **{f"optimizer/{k}": v for k, v in stats.items()}})
-            if step % cfg.train.eval_interval == 0 or step == cfg.train.steps:
-                val = evaluate(model, forward_of(model), val_batches, cfg.train.eval_batches, device, ctx)
-                metrics.update({"val/loss": val, "val/perplexity": math.exp(val)})
-            if metrics:
-                if logger is not None:
-                    logger.log(step, metrics)
-                last.update(metrics)
-            if (cfg.train.checkpoint_interval and step % cfg.train.checkpoint_interval == 0) or step == cfg.train.steps:
-                save_checkpoint()
-        distributed.barrier(ctx)  # rank 0's last checkpoint and logs are written when any rank returns
-    finally:
-        bar.close()
-        if logger is not None:
-            logger.close()
-    return last
+    return training.run(cfg, functools.partial(build, cfg), data_parallel=True)

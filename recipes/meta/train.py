@@ -16,23 +16,18 @@ adapted to and scored.
 
 from __future__ import annotations
 
-import contextlib
-import math
-import time
+import functools
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
 import torch
-from omegaconf import DictConfig, OmegaConf
-from tqdm import tqdm
+from omegaconf import DictConfig
 
 from recipes.common import config as configs
-from recipes.common import run_folder
+from recipes.common import distributed, training
 from recipes.common.config import ConfigError
-from recipes.common.transformer import ATTENTION, BACKENDS, Transformer
-from recipes.lm import checkpoint
-from recipes.lm.logger import RunLogger
+from recipes.common.training import Autocast, Recipe, StepResult
+from recipes.common.transformer import ATTENTION, Transformer
 from recipes.meta import maml
 from recipes.meta.tasks import FAMILIES, TaskStream
 
@@ -44,8 +39,7 @@ class ModelConfig:
     n_heads: int = 4  # heads; head_dim = d_model / n_heads (must be even, for RoPE)
     mlp_ratio: float = 2.0  # MLP hidden width / d_model
     causal: bool = False  # causal attention (the classifier mean-pools every position either way)
-    attention: str = "flashbob"  # flashbob | eager (naive materialised attention, the reference)
-    backend: str = "auto"  # flashbob backend: auto (Triton on CUDA, blocked PyTorch elsewhere) | triton | blocked
+    attention: str = "auto"  # flashbob backend auto (Triton on CUDA, else blocked) | triton | blocked, or eager (naive)
 
 
 @dataclass
@@ -105,7 +99,6 @@ class Config:
 
 CHOICES = {
     "model.attention": ATTENTION,
-    "model.backend": BACKENDS,
     "task.family": FAMILIES,
     "maml.inner_optimizer": ("sgd", "adam"),
 }
@@ -130,16 +123,14 @@ def validate(cfg: DictConfig) -> None:
 
 def load_config(path: str | None = None, overrides: list[str] = ()) -> DictConfig:
     """The schema's defaults, updated by the YAML file ``path`` and then by ``key=value`` ``overrides``."""
-    cfg = configs.load(Config, path, overrides)
-    validate(cfg)
-    return cfg
+    return configs.load(Config, path, overrides, validate)
 
 
 def build_model(cfg: DictConfig) -> Transformer:
     m = cfg.model
     return Transformer(vocab_size=cfg.task.vocab_size, n_outputs=cfg.task.n_way, d_model=m.d_model,
                        n_layers=m.n_layers, n_heads=m.n_heads, mlp_ratio=m.mlp_ratio, causal=m.causal,
-                       readout="mean", attention=m.attention, backend=m.backend)
+                       readout="mean", attention=m.attention)
 
 
 def task_stream(cfg: DictConfig, split: str) -> TaskStream:
@@ -149,20 +140,8 @@ def task_stream(cfg: DictConfig, split: str) -> TaskStream:
                       split=split)
 
 
-def train(cfg: DictConfig) -> dict[str, float]:
-    """Run the meta-training ``cfg`` describes; returns the last logged metrics."""
-    run_dir = Path(cfg.out_dir) / cfg.name
-    device, autocast_dtype = configs.resolve_device(cfg.train.device, cfg.train.dtype)
-    with run_folder.claim(run_dir):
-        return _train(cfg, run_dir, device, autocast_dtype)
-
-
-def _train(cfg: DictConfig, run_dir: Path, device: torch.device, autocast_dtype: torch.dtype | None
-           ) -> dict[str, float]:
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    torch.manual_seed(cfg.train.seed)
-
+def build(cfg: DictConfig, device: torch.device, autocast: Autocast, ctx: distributed.Context) -> Recipe:
+    """The classifier, its outer (meta) optimizer, the task streams, and the meta-step and meta-test."""
     model = build_model(cfg).to(device)
     meta_opt = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay)
     train_tasks = task_stream(cfg, "train")
@@ -173,59 +152,29 @@ def _train(cfg: DictConfig, run_dir: Path, device: torch.device, autocast_dtype:
     eval_steps = mc.inner_steps if mc.eval_inner_steps is None else mc.eval_inner_steps
 
     def forward(net: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
-        with autocast:
+        with autocast():
             return net(x)
 
-    step = 0
+    def step() -> StepResult:
+        tasks = [type(t)(*(x.to(device) for x in t)) for t in train_tasks.next(mc.meta_batch)]
+        meta_opt.zero_grad(set_to_none=True)
+        stats = maml.meta_backward(model, inner, tasks, mc.inner_steps, forward)
+        clip = cfg.optimizer.grad_clip or float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
+        meta_opt.step()
+        return StepResult(stats["loss"], lambda seconds: {
+            "meta_train/query_loss": stats["loss"], "meta_train/query_accuracy": stats["accuracy"],
+            "meta_train/query_accuracy_before": stats["accuracy_before"], "meta_train/grad_norm": grad_norm,
+            "meta_train/step_s": seconds}, {"acc": f"{stats['accuracy']:.2f}"})
+
+    def meta_test() -> dict[str, float]:
+        result = maml.evaluate(model, test_tasks, mc.inner_optimizer, mc.inner_lr, eval_steps, forward)
+        return {f"meta_test/query_{key}": value for key, value in result.items()}
+
     parts = {"model": model, "optimizer": meta_opt, "tasks": train_tasks}
-    resumed = run_folder.resume(cfg.train.resume, run_dir)
-    if resumed is not None:
-        source, state = resumed
-        run_folder.restore(source, state, **parts)
-        checkpoint.set_rng_state(state["rng"])
-        step = state["step"]
+    return Recipe(parts, step, meta_test, evaluate_first_step=True)
 
-    def save_checkpoint() -> None:
-        state = {**run_folder.snapshot(**parts), "rng": checkpoint.rng_state(), "step": step,
-                 "config": OmegaConf.to_container(cfg)}
-        checkpoint.save(run_dir / "checkpoints", step, state, keep=cfg.train.keep_checkpoints)
 
-    OmegaConf.save(cfg, run_dir / "config.yaml")  # after resuming: a refused resume leaves it as it was
-    logger = RunLogger(run_dir, OmegaConf.to_container(cfg, resolve=True), kind=cfg.logger.kind,
-                       project=cfg.logger.project, name=cfg.name, wandb_mode=cfg.logger.wandb_mode,
-                       entity=cfg.logger.entity, start_step=step)
-    last: dict[str, float] = {}
-    bar = tqdm(total=cfg.train.steps, initial=step, disable=not cfg.train.progress, desc=cfg.name, unit="step")
-    try:
-        while step < cfg.train.steps:
-            start = time.perf_counter()
-            tasks = [type(t)(*(x.to(device) for x in t)) for t in train_tasks.next(mc.meta_batch)]
-            meta_opt.zero_grad(set_to_none=True)
-            stats = maml.meta_backward(model, inner, tasks, mc.inner_steps, forward)
-            if not math.isfinite(stats["loss"]):
-                raise FloatingPointError(f"meta-train query loss became {stats['loss']} at step {step + 1}")
-            clip = cfg.optimizer.grad_clip or float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
-            meta_opt.step()
-            step += 1
-            elapsed = time.perf_counter() - start
-            bar.update()
-            bar.set_postfix(loss=f"{stats['loss']:.3f}", acc=f"{stats['accuracy']:.2f}", refresh=False)
-            metrics = {}
-            if step % cfg.train.log_interval == 0 or step in (1, cfg.train.steps):
-                metrics.update({"meta_train/query_loss": stats["loss"], "meta_train/query_accuracy": stats["accuracy"],
-                                "meta_train/query_accuracy_before": stats["accuracy_before"],
-                                "meta_train/grad_norm": grad_norm, "meta_train/step_s": elapsed})
-            if step % cfg.train.eval_interval == 0 or step in (1, cfg.train.steps):
-                result = maml.evaluate(model, test_tasks, mc.inner_optimizer, mc.inner_lr, eval_steps, forward)
-                metrics.update({f"meta_test/query_{key}": value for key, value in result.items()})
-            if metrics:
-                logger.log(step, metrics)
-                last.update(metrics)
-            if (cfg.train.checkpoint_interval and step % cfg.train.checkpoint_interval == 0) or step == cfg.train.steps:
-                save_checkpoint()
-    finally:
-        bar.close()
-        logger.close()
-    return last
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Run the meta-training ``cfg`` describes; returns the last logged metrics."""
+    return training.run(cfg, functools.partial(build, cfg))

@@ -20,24 +20,19 @@ rejected with an error naming the key. A run writes to ``<out_dir>/<name>/``: th
 
 from __future__ import annotations
 
-import contextlib
-import math
-import time
+import functools
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
 import torch
-from omegaconf import DictConfig, OmegaConf
-from tqdm import tqdm
+from omegaconf import DictConfig
 
 from recipes.common import config as configs
-from recipes.common import run_folder
+from recipes.common import data, distributed, training
 from recipes.common.config import ConfigError
-from recipes.common.transformer import ATTENTION, BACKENDS, Transformer
-from recipes.lm import checkpoint, data
-from recipes.lm.logger import RunLogger
-from recipes.lm.optimizers import warmup_cosine
+from recipes.common.schedule import build_scheduler
+from recipes.common.training import Autocast, Recipe, StepResult
+from recipes.common.transformer import ATTENTION, Transformer
 from recipes.ttt import ttt
 
 
@@ -47,8 +42,7 @@ class ModelConfig:
     n_layers: int = 2  # transformer blocks
     n_heads: int = 4  # heads; head_dim = d_model / n_heads (must be even, for RoPE)
     mlp_ratio: float = 4.0  # MLP hidden width / d_model
-    attention: str = "flashbob"  # flashbob | eager (naive materialised attention, the reference)
-    backend: str = "auto"  # flashbob backend: auto (Triton on CUDA, blocked PyTorch elsewhere) | triton | blocked
+    attention: str = "auto"  # flashbob backend auto (Triton on CUDA, else blocked) | triton | blocked, or eager (naive)
 
 
 @dataclass
@@ -108,7 +102,6 @@ class Config:
 
 CHOICES = {
     "model.attention": ATTENTION,
-    "model.backend": BACKENDS,
     "data.source": ("stdlib", "text", "binary"),
     "ttt.weights": tuple(ttt.WEIGHTS),
 }
@@ -121,33 +114,27 @@ NON_NEGATIVE = ("ttt.inner_steps", "optimizer.weight_decay", "optimizer.grad_cli
 def validate(cfg: DictConfig) -> None:
     """Raise :class:`ConfigError` for values the schema's types allow but the recipe cannot run."""
     configs.check(cfg, CHOICES, POSITIVE, NON_NEGATIVE)
-    m = cfg.model
-    configs.check_head_dim(m)
-    if cfg.ttt.layers > m.n_layers:
-        raise ConfigError(f"ttt.layers ({cfg.ttt.layers}) must be <= model.n_layers ({m.n_layers})")
-    if not 0 < cfg.data.val_fraction < 1:
-        raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
-    configs.check_data_path(cfg.data)
+    configs.check_head_dim(cfg.model)
+    if cfg.ttt.layers > cfg.model.n_layers:
+        raise ConfigError(f"ttt.layers ({cfg.ttt.layers}) must be <= model.n_layers ({cfg.model.n_layers})")
+    configs.check_data(cfg.data)
 
 
 def load_config(path: str | None = None, overrides: list[str] = ()) -> DictConfig:
     """The schema's defaults, updated by the YAML file ``path`` and then by ``key=value`` ``overrides``."""
-    cfg = configs.load(Config, path, overrides)
-    validate(cfg)
-    return cfg
+    return configs.load(Config, path, overrides, validate)
 
 
 def build_model(cfg: DictConfig) -> ttt.TTTModel:
     m = cfg.model
     lm = Transformer(vocab_size=data.VOCAB_SIZE, n_outputs=data.VOCAB_SIZE, d_model=m.d_model, n_layers=m.n_layers,
-                     n_heads=m.n_heads, mlp_ratio=m.mlp_ratio, causal=True, readout="tokens", attention=m.attention,
-                     backend=m.backend)
+                     n_heads=m.n_heads, mlp_ratio=m.mlp_ratio, causal=True, readout="tokens", attention=m.attention)
     names = ttt.fast_weight_names(lm, cfg.ttt.layers, cfg.ttt.weights)
     return ttt.TTTModel(lm, names, cfg.ttt.inner_lr, cfg.ttt.learn_lr)
 
 
 def evaluate(model: ttt.TTTModel, batches: data.Batches, n: int, cfg: DictConfig, device: torch.device,
-             autocast) -> dict[str, float]:
+             autocast: Autocast) -> dict[str, float]:
     """Continuation loss on the first ``n`` validation batches with and without TTT, and the gain."""
     with_ttt, without = 0.0, 0.0
     context, steps = cfg.data.context_length, cfg.ttt.inner_steps
@@ -164,87 +151,46 @@ def evaluate(model: ttt.TTTModel, batches: data.Batches, n: int, cfg: DictConfig
     return metrics
 
 
-def train(cfg: DictConfig) -> dict[str, float]:
-    """Run the meta-training ``cfg`` describes; returns the last logged metrics."""
-    run_dir = Path(cfg.out_dir) / cfg.name
-    device, autocast_dtype = configs.resolve_device(cfg.train.device, cfg.train.dtype)
-    with run_folder.claim(run_dir):
-        return _train(cfg, run_dir, device, autocast_dtype)
-
-
-def _train(cfg: DictConfig, run_dir: Path, device: torch.device, autocast_dtype: torch.dtype | None
-           ) -> dict[str, float]:
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    torch.manual_seed(cfg.train.seed)
-
-    def autocast():
-        return torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
-
-    d = cfg.data
+def build(cfg: DictConfig, device: torch.device, autocast: Autocast, ctx: distributed.Context) -> Recipe:
+    """The byte windows, the model with its fast weights, the outer optimizer and its schedule, and the
+    outer step and validation."""
+    d, o, t = cfg.data, cfg.optimizer, cfg.ttt
     corpus = data.load_corpus(d.source, d.path, d.max_bytes, d.val_fraction, "uint8")
     length = d.context_length + d.continuation_length
     train_batches = data.Batches(corpus.train, length, d.batch_size, cfg.train.seed, "train")
     val_batches = data.Batches(corpus.val, length, d.batch_size, cfg.train.seed + 1, "validation")
 
     model = build_model(cfg).to(device)
-    o = cfg.optimizer
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr, weight_decay=o.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(o.warmup_steps, cfg.train.steps, min_ratio=0.1))
+    scheduler = build_scheduler(opt, o.warmup_steps, cfg.train.steps, min_ratio=0.1)
 
-    step = 0
+    def step() -> StepResult:
+        lr = opt.param_groups[0]["lr"]
+        x, y = (tensor.to(device) for tensor in train_batches.next())
+        opt.zero_grad(set_to_none=True)
+        loss, inner = ttt.outer_loss(model, x, y, d.context_length, t.inner_steps, t.first_order, autocast)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip or float("inf")).item()
+        opt.step()
+        scheduler.step()
+
+        def metrics(seconds: float) -> dict[str, float]:
+            logged = {"train/outer_loss": loss.item(), "train/lr": lr, "train/grad_norm": grad_norm,
+                      "train/tokens_per_s": x.numel() / seconds}
+            if inner:
+                logged.update({"train/context_loss_before": inner[0], "train/context_loss_after": inner[-1],
+                               "train/inner_lr": model.inner_lrs().mean().item()})
+            return logged
+
+        return StepResult(loss.item(), metrics)
+
+    def validation() -> dict[str, float]:
+        return evaluate(model, val_batches, cfg.train.eval_batches, cfg, device, autocast)
+
     parts = {"model": model, "optimizer": opt, "scheduler": scheduler, "data": train_batches}
-    resumed = run_folder.resume(cfg.train.resume, run_dir)
-    if resumed is not None:
-        source, state = resumed
-        run_folder.restore(source, state, **parts)
-        checkpoint.set_rng_state(state["rng"])
-        step = state["step"]
+    return Recipe(parts, step, validation, evaluate_first_step=True)
 
-    def save_checkpoint() -> None:
-        state = {**run_folder.snapshot(**parts), "rng": checkpoint.rng_state(), "step": step,
-                 "config": OmegaConf.to_container(cfg)}
-        checkpoint.save(run_dir / "checkpoints", step, state, keep=cfg.train.keep_checkpoints)
 
-    OmegaConf.save(cfg, run_dir / "config.yaml")  # after resuming: a refused resume leaves it as it was
-    logger = RunLogger(run_dir, OmegaConf.to_container(cfg, resolve=True), kind=cfg.logger.kind,
-                       project=cfg.logger.project, name=cfg.name, wandb_mode=cfg.logger.wandb_mode,
-                       entity=cfg.logger.entity, start_step=step)
-    t = cfg.ttt
-    last: dict[str, float] = {}
-    bar = tqdm(total=cfg.train.steps, initial=step, disable=not cfg.train.progress, desc=cfg.name, unit="step")
-    try:
-        while step < cfg.train.steps:
-            start = time.perf_counter()
-            lr = opt.param_groups[0]["lr"]
-            x, y = (tensor.to(device) for tensor in train_batches.next())
-            opt.zero_grad(set_to_none=True)
-            loss, inner = ttt.outer_loss(model, x, y, d.context_length, t.inner_steps, t.first_order, autocast)
-            if not math.isfinite(loss.item()):
-                raise FloatingPointError(f"outer loss became {loss.item()} at step {step + 1}")
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip or float("inf")).item()
-            opt.step()
-            scheduler.step()
-            step += 1
-            elapsed = time.perf_counter() - start
-            bar.update()
-            bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
-            metrics = {}
-            if step % cfg.train.log_interval == 0 or step in (1, cfg.train.steps):
-                metrics.update({"train/outer_loss": loss.item(), "train/lr": lr, "train/grad_norm": grad_norm,
-                                "train/tokens_per_s": x.numel() / elapsed})
-                if inner:
-                    metrics.update({"train/context_loss_before": inner[0], "train/context_loss_after": inner[-1],
-                                    "train/inner_lr": model.inner_lrs().mean().item()})
-            if step % cfg.train.eval_interval == 0 or step in (1, cfg.train.steps):
-                metrics.update(evaluate(model, val_batches, cfg.train.eval_batches, cfg, device, autocast))
-            if metrics:
-                logger.log(step, metrics)
-                last.update(metrics)
-            if (cfg.train.checkpoint_interval and step % cfg.train.checkpoint_interval == 0) or step == cfg.train.steps:
-                save_checkpoint()
-    finally:
-        bar.close()
-        logger.close()
-    return last
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Run the meta-training ``cfg`` describes; returns the last logged metrics."""
+    return training.run(cfg, functools.partial(build, cfg))

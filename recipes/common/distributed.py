@@ -1,4 +1,5 @@
-"""Data-parallel plumbing of the LM recipe: process-group setup under ``torchrun``, rank checks and small collectives.
+"""Data-parallel plumbing: process-group setup under ``torchrun``, rank checks and small collectives
+(the LM recipe trains data parallel).
 
 ``torchrun --nproc_per_node=N -m recipes.lm ...`` starts N processes and sets ``RANK``,
 ``LOCAL_RANK`` and ``WORLD_SIZE``; :func:`setup` joins them into one process group (NCCL on

@@ -1,4 +1,4 @@
-"""Byte-level token streams for the LM recipe and the random windows that batch them.
+"""Byte-level token streams for the LM and TTT recipes and the random windows that batch them.
 
 Tokens are bytes (vocabulary 256), so nothing is downloaded: the built-in corpus is the Python
 standard library's own ``.py`` source, read from the running interpreter's installation. Text

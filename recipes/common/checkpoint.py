@@ -23,6 +23,7 @@ import os
 import pickle
 import random
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +76,41 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():  # written on a machine with more GPUs: the first ones
         torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
+
+
+def rng_states(generator: torch.Generator | None) -> dict:
+    """This process's generator states: the global ones (:func:`rng_state`) and ``generator``'s (an
+    optimizer's own, for its probes; ``None`` if it has none), with the type of device that
+    generator is on (CPU and CUDA generators differ in kind)."""
+    return {**rng_state(), "optimizer": generator.get_state() if generator is not None else None,
+            "optimizer_device": generator.device.type if generator is not None else None}
+
+
+def restore_rng(state: dict, generator: torch.Generator | None, rank: int = 0, world_size: int = 1) -> None:
+    """Restore this rank's generator states from a checkpoint written by as many processes (each
+    rank's :func:`rng_states` under ``"rng_ranks"``; older checkpoints hold one, under ``"rng"``);
+    with another number of processes, warn and keep fresh states."""
+    per_rank = state.get("rng_ranks", [state["rng"]])
+    if len(per_rank) != world_size:
+        warnings.warn(f"the checkpoint was written by {len(per_rank)} process(es), this run has {world_size}: "
+                      "random-number states start afresh, so the run continues at the same data position but "
+                      "not bit for bit", RuntimeWarning, stacklevel=2)
+        return
+    mine = per_rank[rank]
+    set_rng_state(mine)
+    if generator is None or mine.get("optimizer") is None:
+        return
+    saved_on = mine.get("optimizer_device")  # None in checkpoints written before it was recorded
+    problem = f"it was a {saved_on} generator's" if saved_on not in (None, generator.device.type) else None
+    if problem is None:
+        try:
+            generator.set_state(mine["optimizer"].cpu())
+        except RuntimeError as error:  # a CUDA generator's state does not fit a CPU generator, nor the reverse
+            problem = str(error)
+    if problem is not None:
+        warnings.warn(f"the optimizer's generator state in the checkpoint does not fit this run's "
+                      f"{generator.device.type} generator ({problem}): its random probes start afresh, so the "
+                      "run continues at the same step but not bit for bit", RuntimeWarning, stacklevel=2)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -184,7 +220,7 @@ def verify(path: Path) -> None:
             stored = f.read(FOOTER_SIZE)
         if size < FOOTER_SIZE or not (stored.startswith(FOOTER_PREFIX) and stored.endswith(b"\n")):
             raise CheckpointReadError("no SHA-256 footer at its end: truncated, damaged, or not written by this "
-                                      "version of recipes.lm.checkpoint.save")
+                                      "version of recipes.common.checkpoint.save")
         sha256, remaining = hashlib.sha256(), size - FOOTER_SIZE
         f.seek(0)
         while remaining:

@@ -1,0 +1,28 @@
+"""The learning-rate schedule of the recipes: linear warm-up, then cosine decay to a floor."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float) -> Callable[[int], float]:
+    """Learning-rate multiplier: linear warm-up to 1 over ``warmup_steps``, then cosine to ``min_ratio``."""
+
+    def multiplier(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return multiplier
+
+
+def build_scheduler(opt: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
+                    min_ratio: float) -> torch.optim.lr_scheduler.LambdaLR | None:
+    """:func:`warmup_cosine` as a ``LambdaLR``; ``None`` for an optimizer without a learning rate."""
+    if not all("lr" in group for group in opt.param_groups):
+        return None
+    return torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(warmup_steps, total_steps, min_ratio))

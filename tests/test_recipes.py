@@ -1,0 +1,114 @@
+"""What the three recipes share, on each at micro scale on the CPU: a bad setting is rejected naming
+its key (the command line exits with the message), a resumed run continues exactly, and
+``--resume auto`` continues the metrics log and the same offline W&B run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from recipes.common import checkpoint
+from recipes.common.config import ConfigError
+from tests.runs import RECIPES, read_jsonl
+
+HOME = str(Path.home())
+BAD_CONFIGS = [  # recipe, overrides, what the error says
+    ("lm", ["data.context_length=0"], "data.context_length must be > 0"),
+    ("lm", ["model.d_model=abc"], "'model.d_model'"),
+    ("lm", ["model.widht=3"], "'model.widht'"),
+    ("lm", ["optimizer.name=sgd"], "choose one of adahessian, adamw, newtoncg, sophiag, sophiah"),
+    ("lm", ["model.norm=batchnorm"], "model.norm must be one of rmsnorm, layernorm"),
+    ("lm", ["model.attention_backend=blocked"], "model.attention_backend is now model.attention (auto, triton or "
+                                                "blocked: flashbob's backend; or eager)"),
+    ("lm", ["model.d_model=30"], "model.d_model (30) must be model.n_heads (4) times an even head_dim"),
+    ("lm", ["data.val_fraction=1.5"], "data.val_fraction must be in (0, 1)"),
+    ("lm", ["data.source=text", "data.path=/nonexistent/*.txt"], "data.path '/nonexistent/*.txt' matches no files"),
+    ("lm", ["data.source=binary", "data.path=/nonexistent.bin"], "data.path '/nonexistent.bin' is not a file"),
+    ("lm", ["name=../../up"], "name must be a relative folder name inside out_dir, without '..'; got '../../up'"),
+    ("lm", ["name=a/../../b"], "name must be a relative folder name inside out_dir, without '..'; got 'a/../../b'"),
+    ("lm", ["name=${oc.env:HOME}"], f"name must be a relative folder name inside out_dir, without '..'; got {HOME!r}"),
+    ("lm", ["name=."], "name must be a relative folder name inside out_dir, without '..'; got '.'"),
+    ("lm", ["name=${oc.env:FLASHBOB_UNSET_VARIABLE}"], ("bad config key 'name': KeyError raised while resolving "
+                                                        "interpolation: \"Environment variable "
+                                                        "'FLASHBOB_UNSET_VARIABLE' not found\"")),
+    ("meta", ["maml.inner_stesp=3"], "'maml.inner_stesp'"),
+    ("meta", ["task.n_way=abc"], "'task.n_way'"),
+    ("meta", ["maml.inner_optimizer=rmsprop"], "maml.inner_optimizer must be one of sgd, adam"),
+    ("meta", ["task.family=omniglot"], "task.family must be one of prototype, motif"),
+    ("meta", ["model.attention=flashbob"], "model.attention must be one of auto, triton, blocked, eager; got "
+                                           "'flashbob'"),
+    ("meta", ["model.backend=blocked"], "model.backend is now part of model.attention (auto, triton or blocked"),
+    ("meta", ["maml.inner_steps=0"], "maml.inner_steps must be > 0"),
+    ("meta", ["task.noise=1.5"], "task.noise must be in [0, 1]"),
+    ("meta", ["model.d_model=30"], "model.d_model (30) must be model.n_heads (4) times an even head_dim"),
+    ("meta", ["name=/tmp/x"], "name must be a relative folder name inside out_dir, without '..'; got '/tmp/x'"),
+    ("ttt", ["ttt.inner_step=2"], "'ttt.inner_step'"),
+    ("ttt", ["ttt.inner_lr=fast"], "'ttt.inner_lr'"),
+    ("ttt", ["ttt.weights=norms"], "ttt.weights must be one of mlp, attn, block"),
+    ("ttt", ["ttt.layers=3"], "ttt.layers (3) must be <= model.n_layers (2)"),
+    ("ttt", ["ttt.inner_steps=-1"], "ttt.inner_steps must be >= 0"),
+    ("ttt", ["data.continuation_length=0"], "data.continuation_length must be > 0"),
+    ("ttt", ["model.attention=flash"], "model.attention must be one of auto, triton, blocked, eager"),
+    ("ttt", ["model.backend=triton"], "model.backend is now part of model.attention (auto, triton or blocked"),
+    ("ttt", ["data.source=text", "data.path=/nonexistent/**/*.txt"], "data.path '/nonexistent/**/*.txt' matches "
+                                                                     "no files"),
+    ("ttt", ["name=runs/../.."], "name must be a relative folder name inside out_dir, without '..'; got 'runs/../..'"),
+]
+# Each recipe's resumed run: its steps (cut at half) and settings. The LM's dropout draws from the
+# global generator, so its states must be restored exactly too.
+RESUMED = {"lm": (16, "model.dropout=0.1"), "meta": (6, "train.eval_interval=3"), "ttt": (6, "train.eval_interval=3")}
+MEASURED = ("time", "train/tokens_per_s", "train/max_memory_gib", "meta_train/step_s")  # differ from run to run
+# Each recipe's --resume auto run: MetaAdam's moments and first-order TTT go through a resume as well.
+COMMAND_LINE = {"lm": (), "meta": ("maml.first_order=true", "maml.inner_optimizer=adam", "maml.inner_lr=0.01"),
+                "ttt": ("ttt.first_order=true",)}
+
+
+@pytest.mark.parametrize(("recipe", "overrides", "message"), BAD_CONFIGS)
+def test_bad_config_is_rejected_naming_the_key(tmp_path, recipe, overrides, message):
+    with pytest.raises(ConfigError) as error:
+        RECIPES[recipe].config(tmp_path, *overrides)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_bad_config_on_the_command_line_exits_with_the_message(tmp_path, capsys, recipe):
+    with pytest.raises(SystemExit) as exit_:
+        RECIPES[recipe].main(RECIPES[recipe].arguments(tmp_path, "train.stpes=5"))
+    assert exit_.value.code == 2
+    assert "'train.stpes'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_resume_continues_exactly(tmp_path, recipe):
+    """2N uninterrupted steps vs N steps then a resumed process: the same logged metrics (but the
+    measured times and memory) and the same final weights, bit for bit."""
+    run = RECIPES[recipe]
+    steps, setting = RESUMED[recipe]
+    settings = (f"train.steps={steps}", f"train.checkpoint_interval={steps // 2}", "train.keep_checkpoints=0", setting)
+    run.train(run.config(tmp_path, "name=whole", *settings))
+    halfway = tmp_path / "whole" / "checkpoints" / f"step_{steps // 2:08d}.pt"
+    run.train(run.config(tmp_path, "name=resumed", f"train.resume={halfway}", *settings))
+    whole, resumed = ([{k: v for k, v in row.items() if k not in MEASURED}
+                       for row in read_jsonl(tmp_path / name / "metrics.jsonl")] for name in ("whole", "resumed"))
+    assert [row["step"] for row in resumed] == list(range(steps // 2 + 1, steps + 1))
+    assert whole[steps // 2 :] == resumed
+    final = [checkpoint.load(tmp_path / name / "checkpoints" / f"step_{steps:08d}.pt")["model"]
+             for name in ("whole", "resumed")]
+    assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_command_line_resume_auto_and_wandb_offline(tmp_path, capsys, recipe):
+    """``--resume auto`` runs only the remaining steps, prints the summary, and continues the same W&B run."""
+    run = RECIPES[recipe]
+    arguments = run.arguments(tmp_path, "logger.kind=wandb", *COMMAND_LINE[recipe])
+    run.main([*arguments, "train.steps=2"])
+    run.main([*arguments, "train.steps=4", "--resume", "auto"])
+    assert [row["step"] for row in read_jsonl(tmp_path / run.run / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert f"{run.printed}=" in capsys.readouterr().err
+    run_files = list((tmp_path / run.run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(run_files) == 2 and all(run.printed.encode() in f.read_bytes() for f in run_files)
+    run_id = (tmp_path / run.run / "wandb_run_id").read_text().strip()
+    assert all(f.name == f"run-{run_id}.wandb" for f in run_files), "the resumed process continues the same W&B run"
