@@ -197,7 +197,30 @@ class AttentionBackward(torch.autograd.Function):
         return _unfold(info, AttentionBackward.apply(*_fold(info, in_dims, args)))
 
 
-class BackwardOverBackward(torch.autograd.Function):
+class _Terminal(torch.autograd.Function):
+    """The Functions whose outputs are not differentiated again (BoB and the tangents): their derivatives
+    raise ``ERROR``; their vmap rule folds the vmapped dimension into the batch."""
+
+    ERROR = THIRD_ORDER_ERROR
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @classmethod
+    def backward(cls, ctx, *grads):
+        raise RuntimeError(cls.ERROR)
+
+    @classmethod
+    def jvp(cls, ctx, *tangents):
+        raise RuntimeError(cls.ERROR)
+
+    @classmethod
+    def vmap(cls, info, in_dims, *args):
+        return _unfold(info, cls.apply(*_fold(info, in_dims, args)))
+
+
+class BackwardOverBackward(_Terminal):
     """``(Q, K, V, dO; Ū, W̄, Z̄) -> (Q̄, K̄, V̄, dŌ)``, the closed-form BoB; not differentiable."""
 
     @staticmethod
@@ -207,25 +230,11 @@ class BackwardOverBackward(torch.autograd.Function):
             q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, causal=causal, scale=scale, key_mask=key_mask
         )
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
 
-    @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError(THIRD_ORDER_ERROR)
-
-    @staticmethod
-    def jvp(ctx, *tangents):
-        raise RuntimeError(THIRD_ORDER_ERROR)
-
-    @staticmethod
-    def vmap(info, in_dims, *args):
-        return _unfold(info, BackwardOverBackward.apply(*_fold(info, in_dims, args)))
-
-
-class AttentionTangent(torch.autograd.Function):
+class AttentionTangent(_Terminal):
     """``(Q, K, V; Q̇, K̇, V̇) -> Ȯ`` with ``O`` and ``stats`` as constants: ``Attention``'s jvp; not differentiable."""
+
+    ERROR = TANGENT_ERROR
 
     @staticmethod
     @_legacy_vmap_support
@@ -234,24 +243,8 @@ class AttentionTangent(torch.autograd.Function):
             q, k, v, o, stats, q_dot, k_dot, v_dot, causal=causal, scale=scale, key_mask=key_mask
         )
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
 
-    @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError(TANGENT_ERROR)
-
-    @staticmethod
-    def jvp(ctx, *tangents):
-        raise RuntimeError(TANGENT_ERROR)
-
-    @staticmethod
-    def vmap(info, in_dims, *args):
-        return _unfold(info, AttentionTangent.apply(*_fold(info, in_dims, args)))
-
-
-class AttentionBackwardTangent(torch.autograd.Function):
+class AttentionBackwardTangent(_Terminal):
     """``(Q, K, V, dO; Q̇, K̇, V̇, dȮ) -> (dQ̇, dK̇, dV̇)`` with ``O``, ``stats``, ``Δ`` as constants:
     ``AttentionBackward``'s jvp; not differentiable (a third derivative)."""
 
@@ -261,19 +254,3 @@ class AttentionBackwardTangent(torch.autograd.Function):
         return backend.backward_jvp(
             q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, causal=causal, scale=scale, key_mask=key_mask
         )
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError(THIRD_ORDER_ERROR)
-
-    @staticmethod
-    def jvp(ctx, *tangents):
-        raise RuntimeError(THIRD_ORDER_ERROR)
-
-    @staticmethod
-    def vmap(info, in_dims, *args):
-        return _unfold(info, AttentionBackwardTangent.apply(*_fold(info, in_dims, args)))
