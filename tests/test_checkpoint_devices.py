@@ -36,7 +36,7 @@ from recipes.common.transformer import Transformer
 
 GPU = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-    reason="needs CUDA and TRITON_INTERPRET=0 (tests/conftest.py sets 1 by default)",
+    reason="needs CUDA and TRITON_INTERPRET=0 (tests/conftest.py sets 1 on a machine without CUDA)",
 )
 FACTORIES = {
     "NewtonCG": lambda p: NewtonCG(p, preconditioner="hutchinson", max_cg_iters=5),
