@@ -237,11 +237,16 @@ def test_curvlinops_hessian_with_nn_layer_norm(case) -> None:
 
 
 def _finite_difference_hvp(loss, params: list[Tensor], vec: Tensor, eps: float = 1e-5) -> Tensor:
-    r""":math:`(\nabla L(\theta + \epsilon v) - \nabla L(\theta - \epsilon v)) / 2\epsilon`, flat."""
+    r"""Central differences :math:`D(\epsilon) = (\nabla L(\theta + \epsilon v) - \nabla L(\theta - \epsilon v)) / 2\epsilon`
+    with one Richardson step, :math:`(4 D(\epsilon / 2) - D(\epsilon)) / 3`, flat: error :math:`O(\epsilon^4)`
+    (plain central differences, :math:`O(\epsilon^2 \|v\|^2)`, were seen 2.8e-8 off, above the 1e-8 bar)."""
     theta = torch.cat([p.detach().reshape(-1) for p in params])
 
     def gradient(at: Tensor) -> Tensor:
         values = [c.view_as(p).requires_grad_() for c, p in zip(torch.split(at, [p.numel() for p in params]), params)]
         return torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss(values), values)])
 
-    return (gradient(theta + eps * vec) - gradient(theta - eps * vec)) / (2 * eps)
+    def central(step: float) -> Tensor:
+        return (gradient(theta + step * vec) - gradient(theta - step * vec)) / (2 * step)
+
+    return (4 * central(eps / 2) - central(eps)) / 3
