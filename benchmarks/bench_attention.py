@@ -2,13 +2,13 @@
 
 Run on a CUDA machine from the checkout::
 
-    PYTHONPATH=. python benchmarks/bench_attention.py --out docs/bench_attention.csv
+    PYTHONPATH=. python benchmarks/bench_attention.py --out docs/results/bench_attention.csv
 
 One slice, e.g. flashbob vs SDPA's FlashAttention-2 kernels, forward and forward + backward at
 N = 16K, d = 128, causal and not (about 30 s with autotuning, a few seconds with ``FLASHBOB_AUTOTUNE=0``)::
 
     PYTHONPATH=. python benchmarks/bench_attention.py --impls flashbob sdpa_flash sdpa_cudnn \
-        --workloads fwd fwd_bwd --lengths 16384 --head-dims 128 --causal 0 1 --out docs/bench_flash.csv
+        --workloads fwd fwd_bwd --lengths 16384 --head-dims 128 --causal 0 1 --out docs/results/bench_sdpa_flash.csv
 
 CPU smoke test of the script itself (flashbob takes its blocked PyTorch backend there; times are
 wall-clock, memory is not measured)::
@@ -201,7 +201,7 @@ def cases(args):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="docs/bench_attention.csv")
+    parser.add_argument("--out", default="docs/results/bench_attention.csv")
     parser.add_argument("--impls", nargs="+", choices=list(IMPLEMENTATIONS), default=list(IMPLEMENTATIONS))
     parser.add_argument("--workloads", nargs="+", choices=list(FLOPS_PER_NMD), default=list(FLOPS_PER_NMD))
     parser.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384, 32768, 65536])

@@ -1,6 +1,6 @@
 """Time and peak memory of one HVP and one GGN product vs one gradient, GPT-style model (GPU).
 
-    PYTHONPATH=. python benchmarks/bench_curvature.py --out docs/bench_curvature.csv
+    PYTHONPATH=. python benchmarks/bench_curvature.py --out docs/results/bench_curvature.csv
 
 Model: ``recipes.lm.model.GPT`` with 4 layers, d_model 512, 8 heads (head_dim 64), batch 1,
 bf16 autocast, random byte tokens. Attention through flashbob (Triton kernels), or through eager
@@ -64,7 +64,7 @@ def measure(fn, warmup, reps):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="docs/bench_curvature.csv")
+    parser.add_argument("--out", default="docs/results/bench_curvature.csv")
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--impls", nargs="+", default=["flashbob", "eager"])
     parser.add_argument("--warmup", type=int, default=2)

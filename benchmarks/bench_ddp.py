@@ -2,10 +2,10 @@
 
 Run on a machine with (at least) two CUDA GPUs, from the checkout::
 
-    python benchmarks/bench_ddp.py --out docs/ddp_throughput.csv
+    python benchmarks/bench_ddp.py --out docs/results/ddp_throughput.csv
     # or one optimizer per invocation, to fit a per-command time limit:
-    python benchmarks/bench_ddp.py --out docs/ddp_throughput.csv --optimizers adamw
-    python benchmarks/bench_ddp.py --out docs/ddp_throughput.csv --optimizers sophiah --append
+    python benchmarks/bench_ddp.py --out docs/results/ddp_throughput.csv --optimizers adamw
+    python benchmarks/bench_ddp.py --out docs/results/ddp_throughput.csv --optimizers sophiah --append
 
 For every optimizer and GPU count it launches ``torchrun --standalone --nproc_per_node=G -m
 recipes.lm --config configs/lm/gpu_8k.yaml`` for a short run (``--steps``, logging every step,
@@ -86,7 +86,7 @@ def _config(run_dir: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "ddp_throughput.csv")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "ddp_throughput.csv")
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "lm" / "gpu_8k.yaml")
     parser.add_argument("--optimizers", nargs="+", default=["adamw", "sophiah"])
     parser.add_argument("--gpus", nargs="+", type=int, default=[1, 2])

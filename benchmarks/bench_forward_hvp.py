@@ -1,7 +1,7 @@
 """Forward-over-reverse against reverse-over-reverse Hessian-vector products through flashbob, and
 curvlinops' GGN mat-vec through flashbob against SDPA's math backend, on a GPT (GPU).
 
-    PYTHONPATH=. python benchmarks/bench_forward_hvp.py --out docs/bench_forward_hvp.csv
+    PYTHONPATH=. python benchmarks/bench_forward_hvp.py --out docs/results/bench_forward_hvp.csv
 
 Model: ``recipes.lm.model.GPT`` with 4 layers, d_model 512, 8 heads (head_dim 64), RMSNorm, a GELU
 MLP (PyTorch 2.13 has no forward-mode rule for the backward of SwiGLU's silu), tied embeddings, batch 1, bf16 autocast, random byte tokens (as ``bench_curvature.py``). Workloads, each
@@ -153,7 +153,7 @@ def run_group(group: dict[str, Callable], reference: str | None, context: int, k
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="docs/bench_forward_hvp.csv")
+    parser.add_argument("--out", default="docs/results/bench_forward_hvp.csv")
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--ggn-context", type=int, default=8192, help="context of the curvlinops GGN rows")
     parser.add_argument("--warmup", type=int, default=2)

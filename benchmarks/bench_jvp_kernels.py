@@ -3,7 +3,7 @@
 Run on a CUDA machine from the checkout::
 
     PYTHONPATH=. python benchmarks/bench_jvp_kernels.py
-    PYTHONPATH=. python benchmarks/bench_jvp_kernels.py --long --no-accuracy --out docs/forward_mode_long.csv
+    PYTHONPATH=. python benchmarks/bench_jvp_kernels.py --long --no-accuracy --out docs/results/forward_mode_long.csv
 
 Timing: ``(1, H, N, d)`` bf16 inputs (N = M, H = 16, d = 128, N = 1K, 4K, 16K), causal and not, every
 tangent present. ``kernels`` rows time one call of ``kernels.forward_jvp`` (given O and the statistics) and
@@ -277,8 +277,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--device", default="cuda", help="cpu: smoke test in Triton's interpreter")
-    parser.add_argument("--out", default="docs/forward_mode_kernels.csv")
-    parser.add_argument("--accuracy-out", default="docs/forward_mode_accuracy.csv")
+    parser.add_argument("--out", default="docs/results/forward_mode_kernels.csv")
+    parser.add_argument("--accuracy-out", default="docs/results/forward_mode_accuracy.csv")
     args = parser.parse_args()
     args.timing_dtype = args.timing_dtype or ("bf16" if args.device == "cuda" else "fp32")  # bf16 tl.dot is wrong
     accuracy_lengths = args.accuracy_lengths or args.lengths                               # in the interpreter

@@ -2,9 +2,9 @@
 
 Run on a CUDA machine from the checkout::
 
-    PYTHONPATH=. python benchmarks/check_gpu.py --out docs/accuracy.csv
+    PYTHONPATH=. python benchmarks/check_gpu.py --out docs/results/accuracy.csv
     PYTHONPATH=. python benchmarks/check_gpu.py --n 16384 --dtypes bf16      # one slice of the sweep
-    PYTHONPATH=. python benchmarks/check_gpu.py --memory --out docs/memory.csv
+    PYTHONPATH=. python benchmarks/check_gpu.py --memory --out docs/results/memory.csv
 
 Accuracy mode: for every N, head layout (H=16 with d=128 and d=64, and GQA H=16, Hkv=4 with
 d=128), causal or not, and dtype, random inputs and cotangents are rounded to the dtype and
@@ -64,12 +64,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--interpret", action="store_true", help="run the kernels in Triton's interpreter (CPU)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None, help="CSV (default docs/accuracy.csv or docs/memory.csv)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="CSV (default docs/results/accuracy.csv or docs/results/memory.csv)")
     args = parser.parse_args()
     if args.n is None:
         args.n = [16384, 32768, 65536] if args.memory else [1024, 4096, 16384]
     if args.out is None:
-        args.out = Path("docs/memory.csv" if args.memory else "docs/accuracy.csv")
+        args.out = Path("docs/results/memory.csv" if args.memory else "docs/results/accuracy.csv")
     return args
 
 

@@ -171,7 +171,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128 * 2 * 8192,
                         help="training tokens per optimizer (rounded down to whole steps)")
     parser.add_argument("--out-dir", type=Path, help="folder for the run folders (default: a temporary one)")
-    parser.add_argument("--docs", type=Path, default=ROOT / "docs", help="where the CSV and plots go")
+    parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "results", help="where the CSV and plots go")
     parser.add_argument("--timeout", type=float, default=240,
                         help="seconds after which a run is stopped, keeping the steps it logged (default 240)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides for every run")

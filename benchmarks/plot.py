@@ -1,6 +1,6 @@
 """Plots of a benchmark CSV from ``bench_attention.py``: time and peak memory vs N, log-log.
 
-    python benchmarks/plot.py docs/bench_attention.csv --out-dir docs
+    python benchmarks/plot.py docs/results/bench_attention.csv --out-dir docs/results
 
 writes one PNG per (head_dim, causal): a row of time panels (one per workload) and a memory panel.
 """
@@ -61,7 +61,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("csv")
-    parser.add_argument("--out-dir", default="docs")
+    parser.add_argument("--out-dir", default="docs/results")
     args = parser.parse_args()
     for path in plot(load(args.csv), Path(args.out_dir)):
         print("wrote", path)

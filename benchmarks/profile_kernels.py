@@ -28,7 +28,7 @@ per SM), registers (64K 32-bit registers per SM in four sub-partitions, allocate
 units of 256) and shared memory (228 KiB per SM, 1 KiB reserved per block) on H100/H200; the
 limits are read from the device where torch exposes them. ``waves`` = programs / (SMs x blocks per SM).
 
-Writes ``--out`` (default docs/kernel_profile.csv, one row per kernel per workload and causal flag,
+Writes ``--out`` (default docs/results/kernel_profile.csv, one row per kernel per workload and causal flag,
 plus a ``(total)`` row per workload with the CUDA-event time of one iteration and its TFLOP/s under
 the conventions of bench_attention.py) and prints a Markdown table last. ``--asm-dir DIR`` also
 writes each kernel's PTX and TTGIR (and SASS with ``--sass``).
@@ -543,7 +543,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=5, help="profiled iterations")
     parser.add_argument("--sass", action="store_true", help="disassemble each kernel and count LDL/STL (cuobjdump)")
     parser.add_argument("--asm-dir", default="", help="write each kernel's PTX and TTGIR (and SASS) here")
-    parser.add_argument("--out", default="docs/kernel_profile.csv")
+    parser.add_argument("--out", default="docs/results/kernel_profile.csv")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--interpret", action="store_true", help="run the kernels in Triton's interpreter (CPU)")
     return parser.parse_args(argv)

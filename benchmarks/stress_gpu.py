@@ -4,7 +4,7 @@ against a float64 oracle.
 
 Run on a CUDA machine from the checkout (``--seconds`` plus ~10 s)::
 
-    PYTHONPATH=. python benchmarks/stress_gpu.py --seconds 240 --out docs/stress.csv
+    PYTHONPATH=. python benchmarks/stress_gpu.py --seconds 240 --out docs/results/stress.csv
     PYTHONPATH=. python benchmarks/stress_gpu.py --case-seed 123456789          # replay one case
 
 CPU smoke test (Triton interpreter, tiny shapes; bf16 is wrong in the interpreter)::
@@ -105,7 +105,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="keep flashbob's autotuning on (default: FLASHBOB_AUTOTUNE=0, far fewer compilations)")
     parser.add_argument("--workers", type=int, default=None,
                         help="processes running cases (default on CUDA: the CPU cores less 2, at most 14; on CPU: 1)")
-    parser.add_argument("--out", type=Path, default=Path("docs/stress.csv"), help="one row per family")
+    parser.add_argument("--out", type=Path, default=Path("docs/results/stress.csv"), help="one row per family")
     parser.add_argument("--cases-out", type=Path, default=None, help="one row per case (tens of thousands)")
     args = parser.parse_args(argv)
     if args.workers is None:
