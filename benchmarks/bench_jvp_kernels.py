@@ -55,14 +55,20 @@ LONG_LENGTHS, LONG_TOKENS = (65536, 131072, 262144), 16 * 16384
 
 
 @dataclass
-class TimeRow:
-    impl: str
-    workload: str
+class Case:
+    """The problem a row of either table measures: ``(1, heads, n, head_dim)`` inputs in ``dtype``."""
+
     n: int
     heads: int
     head_dim: int
     causal: bool
     dtype: str
+
+
+@dataclass
+class TimeRow(Case):
+    impl: str
+    workload: str
     ms: float | None = None
     tflops: float | None = None
     peak_gib: float | None = None
@@ -70,12 +76,7 @@ class TimeRow:
 
 
 @dataclass
-class AccuracyRow:
-    n: int
-    heads: int
-    head_dim: int
-    causal: bool
-    dtype: str
+class AccuracyRow(Case):
     output: str
     err_kernels: float | None = None
     err_eager: float | None = None
@@ -133,7 +134,7 @@ def free_memory(cuda: bool) -> None:
 def measure(impl, workload, n, heads, causal, args) -> TimeRow:
     """One timing row; out of memory and other failures are recorded in ``status``."""
     dtype = DTYPES[args.timing_dtype]
-    row = TimeRow(impl, workload, n, heads, args.head_dim, causal, args.timing_dtype)
+    row = TimeRow(n, heads, args.head_dim, causal, args.timing_dtype, impl=impl, workload=workload)
     cuda = args.device == "cuda"
     x = fn = None
     try:

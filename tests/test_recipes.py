@@ -13,48 +13,48 @@ from recipes.common import checkpoint
 from recipes.common.config import ConfigError
 from tests.runs import RECIPES, read_jsonl
 
-HOME = str(Path.home())
-BAD_CONFIGS = [  # recipe, overrides, what the error says
+NAME_ERROR = "name must be a relative folder name inside out_dir, without '..'; got "
+# The rules of recipes/common, which every recipe applies: overrides, what the error says.
+EVERY_RECIPE = [
+    (["model.d_model=30"], "model.d_model (30) must be model.n_heads (4) times an even head_dim"),
+    (["model.attention=flashbob"], "model.attention must be one of auto, triton, blocked, eager; got 'flashbob'"),
+    (["model.attention_backend=blocked"], "model.attention_backend is now model.attention (auto, triton or "
+                                          "blocked: flashbob's backend; or eager)"),
+    (["model.backend=triton"], "model.backend is now part of model.attention (auto, triton or blocked"),
+    (["name=${oc.env:FLASHBOB_UNSET_VARIABLE}"], ("bad config key 'name': KeyError raised while resolving "
+                                                  "interpolation: \"Environment variable "
+                                                  "'FLASHBOB_UNSET_VARIABLE' not found\"")),
+    *((["name=" + name], NAME_ERROR + repr(resolved)) for name, resolved in [
+        ("../../up", "../../up"), ("a/../../b", "a/../../b"), ("runs/../..", "runs/../.."), (".", "."),
+        ("/tmp/x", "/tmp/x"), ("${oc.env:HOME}", str(Path.home()))]),
+]
+# Each recipe's own settings: an unknown key or a value of the wrong type is rejected naming the key ...
+MISSPELLED_OR_MISTYPED = {"lm": ["model.widht=3"], "meta": ["maml.inner_stesp=3", "task.n_way=abc"],
+                          "ttt": ["ttt.inner_step=2", "ttt.inner_lr=fast"]}
+# ... and these values are rejected as the message says: recipe, overrides, what the error says.
+ONE_RECIPE = [
     ("lm", ["data.context_length=0"], "data.context_length must be > 0"),
-    ("lm", ["model.d_model=abc"], "'model.d_model'"),
-    ("lm", ["model.widht=3"], "'model.widht'"),
     ("lm", ["optimizer.name=sgd"], "choose one of adahessian, adamw, newtoncg, sophiag, sophiah"),
     ("lm", ["model.norm=batchnorm"], "model.norm must be one of rmsnorm, layernorm"),
-    ("lm", ["model.attention_backend=blocked"], "model.attention_backend is now model.attention (auto, triton or "
-                                                "blocked: flashbob's backend; or eager)"),
-    ("lm", ["model.d_model=30"], "model.d_model (30) must be model.n_heads (4) times an even head_dim"),
     ("lm", ["data.val_fraction=1.5"], "data.val_fraction must be in (0, 1)"),
     ("lm", ["data.source=text", "data.path=/nonexistent/*.txt"], "data.path '/nonexistent/*.txt' matches no files"),
     ("lm", ["data.source=binary", "data.path=/nonexistent.bin"], "data.path '/nonexistent.bin' is not a file"),
-    ("lm", ["name=../../up"], "name must be a relative folder name inside out_dir, without '..'; got '../../up'"),
-    ("lm", ["name=a/../../b"], "name must be a relative folder name inside out_dir, without '..'; got 'a/../../b'"),
-    ("lm", ["name=${oc.env:HOME}"], f"name must be a relative folder name inside out_dir, without '..'; got {HOME!r}"),
-    ("lm", ["name=."], "name must be a relative folder name inside out_dir, without '..'; got '.'"),
-    ("lm", ["name=${oc.env:FLASHBOB_UNSET_VARIABLE}"], ("bad config key 'name': KeyError raised while resolving "
-                                                        "interpolation: \"Environment variable "
-                                                        "'FLASHBOB_UNSET_VARIABLE' not found\"")),
-    ("meta", ["maml.inner_stesp=3"], "'maml.inner_stesp'"),
-    ("meta", ["task.n_way=abc"], "'task.n_way'"),
     ("meta", ["maml.inner_optimizer=rmsprop"], "maml.inner_optimizer must be one of sgd, adam"),
     ("meta", ["task.family=omniglot"], "task.family must be one of prototype, motif"),
-    ("meta", ["model.attention=flashbob"], "model.attention must be one of auto, triton, blocked, eager; got "
-                                           "'flashbob'"),
-    ("meta", ["model.backend=blocked"], "model.backend is now part of model.attention (auto, triton or blocked"),
     ("meta", ["maml.inner_steps=0"], "maml.inner_steps must be > 0"),
     ("meta", ["task.noise=1.5"], "task.noise must be in [0, 1]"),
-    ("meta", ["model.d_model=30"], "model.d_model (30) must be model.n_heads (4) times an even head_dim"),
-    ("meta", ["name=/tmp/x"], "name must be a relative folder name inside out_dir, without '..'; got '/tmp/x'"),
-    ("ttt", ["ttt.inner_step=2"], "'ttt.inner_step'"),
-    ("ttt", ["ttt.inner_lr=fast"], "'ttt.inner_lr'"),
     ("ttt", ["ttt.weights=norms"], "ttt.weights must be one of mlp, attn, block"),
     ("ttt", ["ttt.layers=3"], "ttt.layers (3) must be <= model.n_layers (2)"),
     ("ttt", ["ttt.inner_steps=-1"], "ttt.inner_steps must be >= 0"),
     ("ttt", ["data.continuation_length=0"], "data.continuation_length must be > 0"),
-    ("ttt", ["model.attention=flash"], "model.attention must be one of auto, triton, blocked, eager"),
-    ("ttt", ["model.backend=triton"], "model.backend is now part of model.attention (auto, triton or blocked"),
     ("ttt", ["data.source=text", "data.path=/nonexistent/**/*.txt"], "data.path '/nonexistent/**/*.txt' matches "
                                                                      "no files"),
-    ("ttt", ["name=runs/../.."], "name must be a relative folder name inside out_dir, without '..'; got 'runs/../..'"),
+]
+BAD_CONFIGS = [
+    *ONE_RECIPE,
+    *((recipe, [setting], repr(setting.split("=")[0])) for recipe, settings in MISSPELLED_OR_MISTYPED.items()
+      for setting in settings),
+    *((recipe, overrides, message) for recipe in ("lm", "meta", "ttt") for overrides, message in EVERY_RECIPE),
 ]
 # Each recipe's resumed run: its steps (cut at half) and settings. The LM's dropout draws from the
 # global generator, so its states must be restored exactly too.
