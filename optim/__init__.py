@@ -2,22 +2,9 @@
 
 from optim.adahessian import AdaHessian
 from optim.cg import CGResult, cg
-from optim.curvature import (
-    AutogradLossHessian,
-    CrossEntropyHessian,
-    CurvatureOperator,
-    GGNOperator,
-    HessianOperator,
-    LossGraphHessian,
-    LossHessian,
-    MSEHessian,
-    functional,
-    ggnvp,
-    hutchinson_diagonal,
-    hvp,
-    power_iteration,
-    trace,
-)
+from optim.curvature import (AutogradLossHessian, CrossEntropyHessian, CurvatureOperator, GGNOperator, HessianOperator,
+                             LossGraphHessian, LossHessian, MSEHessian, functional, ggnvp, hutchinson_diagonal, hvp,
+                             power_iteration, trace)
 from optim.newton_cg import NewtonCG
 from optim.sophia import SophiaG, SophiaH
 

@@ -93,7 +93,12 @@ def check_hyperparameters(owner: str, values: Mapping[str, Any], rules: Mapping[
 
 class SecondOrderOptimizer(Optimizer):
     """A ``torch.optim.Optimizer`` whose hyperparameters are checked against :attr:`_rules`: the
-    defaults in the constructor and each group's own values in :meth:`add_param_group`."""
+    defaults in the constructor and each group's own values in :meth:`add_param_group`.
+
+    Attributes:
+        stats: The last step's statistics.
+        group: The process group whose ranks the step averages over (``None``: one process).
+    """
 
     _owner = "Optimizer"  # the name that errors and warnings start with
     _rules: ClassVar[Mapping[str, Rule]] = {}
@@ -101,6 +106,8 @@ class SecondOrderOptimizer(Optimizer):
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
         check_hyperparameters(self._owner, defaults, self._rules)
         super().__init__(params, defaults)
+        self.stats: dict[str, float] = {}
+        self.group: _dist.Group = None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Check the group's hyperparameters (its own and the defaults it takes), then add it."""
@@ -108,13 +115,42 @@ class SecondOrderOptimizer(Optimizer):
             check_hyperparameters(self._owner, {**self.defaults, **param_group}, self._rules)
         super().add_param_group(param_group)
 
+    @property
+    def refreshes_next_step(self) -> bool:
+        """Whether the next ``step(closure)`` takes curvature through the closure's whole-batch call ``closure()``.
+
+        A recipe may then run that call through a once-differentiable fast path (e.g. torch's fused
+        attention) on steps where this is false. True unless the subclass takes curvature on some steps
+        only (Sophia) or on a separate call ``closure(rows)`` (NewtonCG's ``curvature_batch``); a call
+        with ``rows`` always serves curvature.
+        """
+        return True
+
     def _trainable(self) -> tuple[list[Tensor], list[dict[str, Any]]]:
         """The parameters that require grad, and the group of each."""
         pairs = [(p, group) for group in self.param_groups for p in group["params"] if p.requires_grad]
         return [p for p, _ in pairs], [group for _, group in pairs]
 
+    def _step_without_update(self, closure: Closure | None) -> Tensor | None:
+        """A step with nothing to update: :func:`loss_without_update`, recorded in :attr:`stats`."""
+        loss = loss_without_update(closure, self._owner, self.group)
+        self.stats.update(loss=float("nan") if loss is None else float(loss), step_skipped=0.0)
+        return loss
 
-Closure = Callable[[], Any]
+    def _evaluate_loss(self, closure: Closure | None) -> tuple[ClosureResult, Tensor, bool]:
+        """The closure evaluated with its graph, its loss averaged over the ranks (also ``stats["loss"]``), and
+        whether that loss is finite; a non-finite one is reported with :func:`warn_skipped` (the step is then skipped).
+        """
+        result = evaluate(closure, self._owner)
+        loss = _dist.average_loss(result.loss.detach(), self.group)
+        self.stats["loss"] = float(loss)
+        finite = all_finite([loss])
+        if not finite:
+            warn_skipped(self._owner, "loss", stacklevel=4)
+        return result, loss, finite
+
+
+Closure = Callable[..., Any]  # called without arguments, or with a slice of rows (NewtonCG's curvature_batch)
 CLOSURE_CONTRACT = (
     "the closure runs the forward pass and returns the loss, a tuple (loss, outputs), or a dict with key "
     "'loss' and optionally 'outputs', 'targets', 'loss_hessian'; it must not call backward()"
@@ -196,12 +232,17 @@ def all_finite(*groups: Iterable[Tensor]) -> bool:
     return bool(torch.stack(flags).all()) if flags else True
 
 
-def warn_skipped(owner: str, cause: str, unchanged: str = "the parameters and optimizer state") -> None:
-    """Warn that a step was skipped because ``cause`` (e.g. 'loss') was not finite, leaving ``unchanged`` as it was."""
+def warn_skipped(
+    owner: str, cause: str, unchanged: str = "the parameters and optimizer state", *, stacklevel: int = 3
+) -> None:
+    """Warn that a step was skipped because ``cause`` (e.g. 'loss') was not finite, leaving ``unchanged`` as it was.
+
+    ``stacklevel`` 3 points the warning at the caller of the function that calls this one (the user's ``step``).
+    """
     warnings.warn(
         f"{owner}: non-finite {cause}; the step was skipped and {unchanged} left unchanged",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=stacklevel,
     )
 
 

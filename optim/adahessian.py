@@ -99,7 +99,6 @@ class AdaHessian(_closure.SecondOrderOptimizer):
         if generator is None and self.group is not None:
             generator = _dist.shared_generator(self.param_groups[0]["params"][0].device, self.group)
         self.distribution, self.generator = distribution, generator
-        self.stats: dict[str, float] = {}
 
     @torch.no_grad()
     def step(self, closure: _closure.Closure | None = None) -> Tensor | None:  # type: ignore[override]
@@ -117,15 +116,10 @@ class AdaHessian(_closure.SecondOrderOptimizer):
             kept = [(p, group) for p, group in zip(params, groups) if p.grad is not None]
             params, groups = [p for p, _ in kept], [group for _, group in kept]
         if not params:
-            loss = _closure.loss_without_update(closure, self._owner, self.group)
-            self.stats.update(loss=float("nan") if loss is None else float(loss), step_skipped=0.0)
-            return loss
+            return self._step_without_update(closure)
         if closure is not None:
-            result = _closure.evaluate(closure, self._owner)
-            loss = _dist.average_loss(result.loss.detach(), self.group)
-            self.stats["loss"] = float(loss)
-            if not _closure.all_finite([loss]):
-                _closure.warn_skipped(self._owner, "loss")
+            result, loss, finite = self._evaluate_loss(closure)
+            if not finite:
                 return loss
             with torch.enable_grad(), _closure.graph_errors(self._owner):
                 operator = HessianOperator(result.loss, params)

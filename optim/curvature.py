@@ -464,6 +464,8 @@ class GGNOperator(CurvatureOperator):
         loss_hessian: :math:`u \mapsto H_L u`, e.g. :class:`CrossEntropyHessian`, :class:`MSEHessian`
             or :class:`AutogradLossHessian`.
         mode: ``"reverse"`` (double-vjp) or ``"forward"`` (forward-mode :math:`J v`).
+        evaluated: ``"forward"`` only: the outputs already computed at the parameters' current values,
+            with their graph (what ``outputs(params)`` would return); spares the constructor that forward.
     """
 
     def __init__(
@@ -473,6 +475,7 @@ class GGNOperator(CurvatureOperator):
         loss_hessian: LossHessian,
         *,
         mode: Mode = "reverse",
+        evaluated: Tensor | None = None,
     ) -> None:
         _check_mode(mode)
         super().__init__(params)
@@ -480,7 +483,9 @@ class GGNOperator(CurvatureOperator):
         self.loss_hessian = loss_hessian
         if mode == "forward":
             self._outputs_fn = _function_of_params(outputs, "the outputs", "GGNOperator")
-        self.outputs = _evaluate(outputs, self.params)
+        elif evaluated is not None:
+            raise ValueError("GGNOperator: evaluated is for mode='forward' (in reverse mode pass the outputs)")
+        self.outputs = _evaluate(outputs, self.params) if evaluated is None else evaluated
         if mode == "reverse":
             self._dummy = torch.zeros_like(self.outputs, requires_grad=True)
             self._transposed = _vjp([self.outputs], self.params, [self._dummy], retain_graph=True, create_graph=True)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, Literal
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from optim import _closure
 from optim import distributed as _dist
@@ -17,6 +19,8 @@ from optim.curvature import (
     GGNOperator,
     HessianOperator,
     LossHessian,
+    Mode,
+    functional,
     hutchinson_diagonal,
 )
 
@@ -25,8 +29,9 @@ Preconditioner = Literal["hutchinson", "squared_gradients"] | None
 
 #: Settings that belong to the one joint solve; every parameter group must agree on them.
 GLOBAL_SETTINGS = (
-    "damping", "adapt_damping", "curvature", "max_cg_iters", "cg_tol", "progress_tol", "warm_start_decay",
-    "backtrack", "line_search", "preconditioner", "precond_exponent", "precond_beta", "maximize",
+    "damping", "adapt_damping", "curvature", "curvature_batch", "mode", "max_cg_iters", "cg_tol", "progress_tol",
+    "progress_window", "warm_start_decay", "backtrack", "line_search", "preconditioner", "precond_exponent",
+    "precond_beta", "maximize",
 )  # fmt: skip
 ARMIJO_C, ARMIJO_SHRINK, ARMIJO_TRIALS = 1e-2, 0.8, 10  # Martens (2010), section 4.6
 DAMPING_DOWN, DAMPING_UP = 2 / 3, 3 / 2  # Levenberg-Marquardt factors (Martens, 2010, section 4.1)
@@ -45,8 +50,14 @@ class NewtonCG(_closure.SecondOrderOptimizer):
     system. :math:`B` is the generalised Gauss-Newton matrix :math:`G = J^\top H_L J` of the model
     outputs (when the closure returns them) or the Hessian :math:`H`. Per step:
 
-    1. One forward (the closure) and one ``create_graph`` backward; every CG product
-       :math:`Bv` reuses that retained graph, with no new forward.
+    1. One forward (the closure) and its backward for the gradient :math:`g`. The curvature
+       products :math:`Bv` run on that forward's graph (reverse mode: one ``create_graph``
+       backward, then each product is a backward through it), or, with ``curvature_batch``, on a
+       second forward of the first rows of the batch only (Martens' curvature mini-batch):
+       :math:`g` is the whole batch's, :math:`B` that of the mean loss over those rows. With
+       ``mode="forward"`` the Gauss-Newton product takes :math:`J v` by forward-mode AD (a
+       forward pass with tangents, no ``create_graph`` graph; see
+       :class:`~optim.curvature.GGNOperator`), and a Hessian product is forward-over-reverse.
     2. CG warm-starts from ``warm_start_decay`` times the last step's final CG iterate and stops
        on Martens' relative-progress rule, ``max_cg_iters``, a small residual, or
        :math:`p^\top (B + \lambda I) p \le 0` (negative curvature, possible in Hessian mode:
@@ -81,8 +92,16 @@ class NewtonCG(_closure.SecondOrderOptimizer):
 
     The closure runs the forward and returns the loss, ``(loss, outputs)`` or a dict (keys
     ``loss``, ``outputs``, ``targets``, ``loss_hessian``); it does not call ``backward``. The optimizer
-    sets ``p.grad`` to the gradient of the loss. After each step :attr:`stats` holds ``loss``,
-    ``damping`` (used in the step), ``cg_iters``, ``reduction_ratio``, ``step_size`` (:math:`\alpha`),
+    sets ``p.grad`` to the gradient of the loss. With ``curvature_batch`` the closure takes one
+    argument, ``rows``, a ``slice`` of the batch's leading dimension: ``closure()`` is the whole
+    batch (gradient, trial points) and ``closure(slice(0, m))`` its first :math:`m` rows (curvature);
+    write it as ``def closure(rows=slice(None))`` and index the inputs and targets with ``rows``.
+    With ``mode="forward"`` the optimizer runs the closure again with tangents attached to the
+    parameters, through :func:`optim.functional` of ``module`` (which must hold the parameters and
+    be deterministic: no dropout). After each step :attr:`stats` holds ``loss``,
+    ``damping`` (used in the step), ``cg_iters``, ``curvature_rows`` (the rows the products ran on;
+    NaN when the closure returns neither outputs nor targets, whose leading dimension it counts),
+    ``reduction_ratio``, ``step_size`` (:math:`\alpha`),
     ``negative_curvature`` and ``step_skipped`` (a non-finite loss, gradient or curvature, or an
     update that would write a non-finite parameter, skips the step with a warning and leaves
     parameters and state unchanged). The constructor and ``add_param_group`` reject non-finite
@@ -103,9 +122,26 @@ class NewtonCG(_closure.SecondOrderOptimizer):
         damping: Initial Tikhonov damping :math:`\lambda`.
         adapt_damping: Levenberg-Marquardt adaptation of :math:`\lambda` from :math:`\rho`.
         curvature: ``"ggn"``, ``"hessian"``, or ``"auto"``: GGN when the closure returns outputs.
+        curvature_batch: Rows of the batch the curvature products run on: ``None`` (all, on the
+            gradient's own graph), a count :math:`m \ge 1`, or a fraction :math:`f \in (0, 1)` of the
+            :math:`R` rows (the leading dimension of the closure's outputs, or targets):
+            :math:`m = \max(1, \lfloor f R \rfloor)`. The first :math:`m` rows (of a shuffled batch, a
+            random subset) are evaluated again by ``closure(slice(0, m))``, which costs one forward of
+            :math:`m` rows and makes every product :math:`R / m` times cheaper (Martens used 1/100 of
+            the gradient's batch).
+        mode: ``"reverse"`` or ``"forward"``: how a curvature product differentiates (see above and
+            :mod:`optim.curvature`); ``"forward"`` needs ``module``. Forward-mode Hessian products need
+            a forward-mode rule for the backward of every operation (not ``F.silu``'s in torch 2.13);
+            the Gauss-Newton product needs only the forward's.
+        module: The ``nn.Module`` whose parameters are optimised, for ``mode="forward"``.
         max_cg_iters: Most CG iterations (curvature products) per step.
         cg_tol: CG stops at relative residual ``cg_tol``.
-        progress_tol: Martens' :math:`\epsilon` of the relative-progress rule (0: off).
+        progress_tol: Martens' :math:`\epsilon` of the relative-progress rule (0: off): CG stops at
+            iteration :math:`i > k` when :math:`\phi(x_i) < 0` and
+            :math:`(\phi(x_i) - \phi(x_{i-k})) / \phi(x_i) < k \epsilon`, with
+            :math:`k = \max(\text{progress\_window}, \lceil i / 10 \rceil)`.
+        progress_window: The smallest :math:`k` of that rule (Martens: 10, so the rule can stop CG
+            from iteration 11 on; a smaller window lets it stop a short solve).
         warm_start_decay: :math:`\zeta` of the warm start :math:`x_0 = \zeta x_{\text{prev}}` (0: cold start).
         backtrack: CG backtracking over saved iterates.
         line_search: Armijo backtracking line search.
@@ -131,6 +167,7 @@ class NewtonCG(_closure.SecondOrderOptimizer):
     _rules: ClassVar[dict[str, _closure.Rule]] = {
         "lr": _closure.NON_NEGATIVE, "damping": _closure.NON_NEGATIVE, "weight_decay": _closure.NON_NEGATIVE,
         "max_cg_iters": _closure.COUNT, "cg_tol": _closure.NON_NEGATIVE, "progress_tol": _closure.NON_NEGATIVE,
+        "progress_window": _closure.COUNT,
         "warm_start_decay": _closure.UNIT_INTERVAL, "precond_exponent": _closure.NON_NEGATIVE,
         "precond_beta": _closure.DECAY,
     }  # fmt: skip
@@ -143,9 +180,13 @@ class NewtonCG(_closure.SecondOrderOptimizer):
         *,
         adapt_damping: bool = True,
         curvature: Curvature = "auto",
+        curvature_batch: int | float | None = None,
+        mode: Mode = "reverse",
+        module: nn.Module | None = None,
         max_cg_iters: int = 20,
         cg_tol: float = 1e-10,
         progress_tol: float = 5e-4,
+        progress_window: int = 10,
         warm_start_decay: float = 0.95,
         backtrack: bool = True,
         line_search: bool = True,
@@ -162,19 +203,28 @@ class NewtonCG(_closure.SecondOrderOptimizer):
             raise ValueError(f"curvature must be 'auto', 'ggn' or 'hessian', got {curvature!r}")
         if preconditioner not in (None, "hutchinson", "squared_gradients"):
             raise ValueError(f"preconditioner must be None, 'hutchinson' or 'squared_gradients': {preconditioner!r}")
+        check_curvature_batch(curvature_batch)
+        if mode not in ("reverse", "forward"):
+            raise ValueError(f"NewtonCG: mode must be 'reverse' or 'forward', got {mode!r}")
+        if mode == "forward" and not isinstance(module, nn.Module):
+            raise ValueError(
+                "NewtonCG(mode='forward') needs module=, the nn.Module that holds the parameters: forward mode runs "
+                f"the closure again with tangents attached to them (through optim.functional); got {module!r}"
+            )
         defaults = dict(
-            lr=lr, damping=damping, adapt_damping=adapt_damping, curvature=curvature, max_cg_iters=max_cg_iters,
-            cg_tol=cg_tol, progress_tol=progress_tol, warm_start_decay=warm_start_decay, backtrack=backtrack,
+            lr=lr, damping=damping, adapt_damping=adapt_damping, curvature=curvature, curvature_batch=curvature_batch,
+            mode=mode, max_cg_iters=max_cg_iters, cg_tol=cg_tol, progress_tol=progress_tol,
+            progress_window=progress_window, warm_start_decay=warm_start_decay, backtrack=backtrack,
             line_search=line_search, preconditioner=preconditioner, precond_exponent=precond_exponent,
             precond_beta=precond_beta, weight_decay=weight_decay, maximize=maximize,
         )  # fmt: skip
         super().__init__(params, defaults)
+        self.module = module
         self.loss_hessian = loss_hessian
         self.group = _dist.resolve(distributed, "NewtonCG")
         if generator is None and self.group is not None:
             generator = _dist.shared_generator(self.param_groups[0]["params"][0].device, self.group)
         self.generator = generator
-        self.stats: dict[str, float] = {}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; it may set its own ``lr`` and ``weight_decay``, but must share the other settings."""
@@ -184,6 +234,12 @@ class NewtonCG(_closure.SecondOrderOptimizer):
         if differ:
             self.param_groups.pop()
             raise ValueError(f"NewtonCG solves one system for all groups; groups may not differ in {differ}")
+
+    @property
+    def refreshes_next_step(self) -> bool:
+        """Whether the next step takes curvature products through ``closure()``: unless ``curvature_batch``
+        is set, when they run on ``closure(rows)`` and ``closure()`` is differentiated once."""
+        return self.param_groups[0]["curvature_batch"] is None
 
     @torch.no_grad()
     def step(self, closure: _closure.Closure | None = None) -> Tensor:  # type: ignore[override]
@@ -195,24 +251,22 @@ class NewtonCG(_closure.SecondOrderOptimizer):
         settings = self.param_groups[0]  # the settings of the joint solve, alike in every group
         params, groups = self._trainable()
         if not params:
-            loss = _closure.loss_without_update(closure, self._owner, self.group)
-            self.stats = dict(loss=float(loss), step_skipped=0.0)
-            return loss
+            self.stats = {}
+            return self._step_without_update(closure)
         lrs, wds = [group["lr"] for group in groups], [group["weight_decay"] for group in groups]
         global_state = self.state[self.param_groups[0]["params"][0]]
         global_state.setdefault("damping", float(settings["damping"]))
         damping = global_state["damping"]
         sign = -1.0 if settings["maximize"] else 1.0
-        result = _closure.evaluate(closure, "NewtonCG")
-        loss = _dist.average_loss(result.loss.detach(), self.group)
+        result, loss, finite = self._evaluate_loss(closure)
+        rows, counted = curvature_rows(settings["curvature_batch"], result, closure)
         self.stats = dict(
-            loss=float(loss), damping=damping, cg_iters=0.0, reduction_ratio=math.nan, step_size=0.0,
-            negative_curvature=0.0, step_skipped=1.0,
+            loss=float(loss), damping=damping, cg_iters=0.0, curvature_rows=counted, reduction_ratio=math.nan,
+            step_size=0.0, negative_curvature=0.0, step_skipped=1.0,
         )  # fmt: skip
-        if not _closure.all_finite([loss]):
-            _closure.warn_skipped("NewtonCG", "loss")
+        if not finite:
             return loss
-        operator, grads = self._curvature(result, params, settings["curvature"])
+        operator, grads = self._curvature(closure, result, rows, params, settings)
         _closure.store_grads(params, grads)
         g = tuple(sign * gi for gi in grads)
         if not _closure.all_finite(g):
@@ -234,7 +288,8 @@ class NewtonCG(_closure.SecondOrderOptimizer):
         max_iters = settings["max_cg_iters"]
         solve = cg(
             damped, tuple(-gi for gi in g), x0, max_iter=max_iters, tol=settings["cg_tol"],
-            progress_tol=settings["progress_tol"], precondition=precondition,
+            progress_tol=settings["progress_tol"], progress_window=settings["progress_window"],
+            precondition=precondition,
             save_at=martens_schedule(max_iters) if settings["backtrack"] else (),
         )  # fmt: skip
         if solve.status == "breakdown":
@@ -290,28 +345,46 @@ class NewtonCG(_closure.SecondOrderOptimizer):
         return loss
 
     def _curvature(
-        self, result: _closure.ClosureResult, params: list[Tensor], mode: Curvature
+        self, closure: _closure.Closure, result: _closure.ClosureResult, rows: slice | None, params: list[Tensor],
+        settings: dict[str, Any],
     ) -> tuple[CurvatureOperator, tuple[Tensor, ...]]:
-        """The curvature operator and the gradient of the loss (rank averages), from one create_graph backward."""
-        operator, grads = self._local_curvature(result, params, mode)
+        """The curvature operator and the gradient of the loss (rank averages)."""
+        operator, grads = self._local_curvature(closure, result, rows, params, settings)
         _closure.check_dense(self._owner, grads)
         if self.group is None:
             return operator, grads
         return _dist.AveragedOperator(operator, self.group), _dist.all_average(grads, self.group)
 
     def _local_curvature(
-        self, result: _closure.ClosureResult, params: list[Tensor], mode: Curvature
+        self, closure: _closure.Closure, result: _closure.ClosureResult, rows: slice | None, params: list[Tensor],
+        settings: dict[str, Any],
     ) -> tuple[CurvatureOperator, tuple[Tensor, ...]]:
-        if mode == "ggn" and result.outputs is None:
+        """The operator on the whole batch's graph (``rows`` None) or on ``closure(rows)``; the gradient."""
+        kind, mode = settings["curvature"], settings["mode"]
+        if kind == "ggn" and result.outputs is None:
             raise RuntimeError("NewtonCG(curvature='ggn') needs the closure to return (loss, outputs)")
+        ggn = kind == "ggn" or (kind == "auto" and result.outputs is not None)
+        call = closure if rows is None else functools.partial(closure, rows)
         with torch.enable_grad(), _closure.graph_errors("NewtonCG"):
-            if mode == "ggn" or (mode == "auto" and result.outputs is not None):
-                loss_hessian = _closure.loss_hessian_for(self.loss_hessian, result)
-                operator = GGNOperator(result.outputs, params, loss_hessian)
-                grads = _closure.gradients(result.loss, params, retain_graph=True)
-                return operator, tuple(g.detach() for g in grads)
-            operator = HessianOperator(result.loss, params)
-            return operator, operator.gradient
+            if rows is None and mode == "reverse" and not ggn:
+                operator = HessianOperator(result.loss, params)  # the gradient's create_graph backward serves both
+                return operator, operator.gradient
+            shares_graph = rows is None and ggn  # J^T u runs backward through the whole batch's outputs
+            grads = _closure.gradients(result.loss, params, retain_graph=shares_graph)
+            grads = tuple(g.detach() for g in grads)
+            if not ggn:
+                if mode == "forward":
+                    loss_fn = functional(self.module, lambda: _closure.parse(call(), "NewtonCG").loss, params)
+                    return HessianOperator(loss_fn, params, mode="forward"), grads
+                return HessianOperator(_closure.evaluate(call, "NewtonCG").loss, params), grads
+            evaluated = result if rows is None else _closure.evaluate(call, "NewtonCG")
+            if evaluated.outputs is None:
+                raise RuntimeError("NewtonCG: the closure returned no outputs for its curvature rows, closure(rows)")
+            loss_hessian = _closure.loss_hessian_for(self.loss_hessian, evaluated)
+            if mode == "reverse":
+                return GGNOperator(evaluated.outputs, params, loss_hessian), grads
+            outputs_fn = functional(self.module, lambda: _closure.parse(call(), "NewtonCG").outputs, params)
+            return GGNOperator(outputs_fn, params, loss_hessian, mode="forward", evaluated=evaluated.outputs), grads
 
     def _preconditioner(self, settings, operator, params, g, damping):
         r""":math:`r \mapsto r / (d + \lambda)^\xi` and the updated diagonal :math:`d`, or ``(None, None)``."""
@@ -383,3 +456,49 @@ class NewtonCG(_closure.SecondOrderOptimizer):
         for p, p0 in zip(params, origin):
             p.copy_(p0)
         return chosen, damping, ratio, alpha, min(values) < math.inf
+
+
+def check_curvature_batch(value: Any) -> None:
+    """Raise ``ValueError`` unless ``value`` is ``None``, a count >= 1 or a fraction in (0, 1)."""
+    count = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    fraction = isinstance(value, float) and 0 < value < 1
+    if value is not None and not (count or fraction):
+        raise ValueError(
+            f"NewtonCG: invalid curvature_batch: {value!r}; expected None (every row), a count of rows >= 1 "
+            "or a fraction in (0, 1)"
+        )
+
+
+def curvature_rows(
+    size: int | float | None, result: _closure.ClosureResult, closure: Callable[..., Any]
+) -> tuple[slice | None, float]:
+    """The rows ``closure(rows)`` evaluates the curvature on (``None``: the whole batch's graph), and how many
+    rows the products see (NaN if unknown).
+
+    The batch has :math:`R` rows, the leading dimension of the closure's outputs or targets.
+
+    Raises:
+        RuntimeError: ``size`` is a fraction and the closure returned neither outputs nor targets.
+        TypeError: ``size`` is set and the closure takes no ``rows`` argument.
+    """
+    batch = next((t.shape[0] for t in (result.outputs, result.targets) if t is not None and t.dim() > 0), None)
+    if size is None:
+        return None, math.nan if batch is None else float(batch)
+    if isinstance(size, float):
+        if batch is None:
+            raise RuntimeError(
+                f"NewtonCG(curvature_batch={size}) takes the batch's rows from the leading dimension of the closure's "
+                "outputs or targets, and the closure returned neither; return them, or give a count of rows"
+            )
+        size = max(1, math.floor(size * batch))
+    try:
+        inspect.signature(closure).bind(slice(0, size))
+    except TypeError:
+        raise TypeError(
+            "NewtonCG(curvature_batch=...) evaluates the curvature on closure(rows), rows a slice of the batch's "
+            "leading dimension, but this closure takes no argument: write it as def closure(rows=slice(None)) "
+            "and index the batch with rows"
+        ) from None
+    except ValueError:  # no signature to check (e.g. a builtin): the call will tell
+        pass
+    return slice(0, size), float(size if batch is None else min(size, batch))

@@ -85,7 +85,6 @@ class _Sophia(_closure.SecondOrderOptimizer):
             device = self.param_groups[0]["params"][0].device
             generator = _dist.shared_generator(device, self.group, per_rank=self._probes_per_rank)
         self.generator = generator
-        self.stats: dict[str, float] = {}
         self._refresh_requested = False  # update_hessian was called since the last step
         self._pending_refresh = False  # ... and refreshed h
 
@@ -123,18 +122,13 @@ class _Sophia(_closure.SecondOrderOptimizer):
         self.stats = dict(loss=float("nan"), hessian_refreshed=0.0, unclipped_fraction=float("nan"),
                           clip_fraction=float("nan"), step_skipped=1.0)  # fmt: skip
         if not params:
-            loss = _closure.loss_without_update(closure, self._owner, self.group)
-            self.stats.update(loss=float("nan") if loss is None else float(loss), step_skipped=0.0)
-            return loss
+            return self._step_without_update(closure)
         count = self._global().get("step", 0)
-        due = [not self._refresh_requested and count % group["update_period"] == 0 for group in groups]
+        due = self._due(groups)
         loss, estimate = None, None
         if closure is not None:
-            result = _closure.evaluate(closure, self._owner)
-            loss = _dist.average_loss(result.loss.detach(), self.group)
-            self.stats["loss"] = float(loss)
-            if not _closure.all_finite([loss]):
-                _closure.warn_skipped(self._owner, "loss")
+            result, loss, finite = self._evaluate_loss(closure)
+            if not finite:
                 return loss
             with torch.enable_grad(), _closure.graph_errors(self._owner):
                 if any(due):
@@ -175,6 +169,16 @@ class _Sophia(_closure.SecondOrderOptimizer):
         )  # fmt: skip
         self._refresh_requested = self._pending_refresh = False
         return loss
+
+    def _due(self, groups: list[dict[str, Any]]) -> list[bool]:
+        """For each group, whether the next step refreshes its :math:`h` (not if :meth:`update_hessian` just did)."""
+        count = self._global().get("step", 0)
+        return [not self._refresh_requested and count % group["update_period"] == 0 for group in groups]
+
+    @property
+    def refreshes_next_step(self) -> bool:
+        """Whether the next step refreshes :math:`h` (of any group), taking a curvature estimate through the closure."""
+        return any(self._due(self._trainable()[1]))
 
     def _grads_without_closure(
         self, params: list[Tensor], groups: list[dict[str, Any]], refresh: bool, first: bool
@@ -295,21 +299,11 @@ class SophiaH(_Sophia):
     )
 
     def __init__(
-        self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        lr: float = 6e-4,
-        betas: tuple[float, float] = (0.965, 0.99),
-        rho: float = 0.01,
-        weight_decay: float = 0.1,
-        eps: float = 1e-15,
-        *,
-        update_period: int = 10,
-        maximize: bool = False,
-        distribution: Distribution = "gaussian",
-        num_samples: int = 1,
-        generator: torch.Generator | None = None,
-        distributed: _dist.Distributed = False,
-    ) -> None:
+        self, params: Iterable[Tensor] | Iterable[dict[str, Any]], lr: float = 6e-4,
+        betas: tuple[float, float] = (0.965, 0.99), rho: float = 0.01, weight_decay: float = 0.1, eps: float = 1e-15,
+        *, update_period: int = 10, maximize: bool = False, distribution: Distribution = "gaussian",
+        num_samples: int = 1, generator: torch.Generator | None = None, distributed: _dist.Distributed = False,
+    ) -> None:  # fmt: skip
         _closure.check_hyperparameters(self._owner, {"num_samples": num_samples}, {"num_samples": _closure.COUNT})
         super().__init__(params, lr, betas, rho, weight_decay, eps, update_period, maximize, generator, distributed)
         self.distribution, self.num_samples = distribution, num_samples

@@ -211,7 +211,7 @@ def test_attention_setting_picks_flashbob_or_eager_attention():
         torch.manual_seed(0)
         logits[attention] = GPT(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, attention=attention).double()(tokens)
     torch.testing.assert_close(logits["blocked"], logits["eager"], rtol=1e-12, atol=1e-12)
-    with pytest.raises(ValueError, match="attention must be one of auto, triton, blocked, eager, got 'flashbob'"):
+    with pytest.raises(ValueError, match="attention must be one of auto, triton, blocked, eager, sdpa, got 'flashbob'"):
         GPT(attention="flashbob")
 
 

@@ -1,5 +1,7 @@
 """A small pre-norm transformer whose attention is :func:`flashbob.attention`, naive eager attention or any
-attention function; the model of the MAML and TTT recipes, the benchmarks and the tests.
+attention function; the model of the MAML and TTT recipes, the benchmarks and the tests. Also the attention
+settings the recipes share, and :class:`AttentionSwitch`, which runs torch's fused attention on the passes
+differentiated once and flashbob's on those an optimizer differentiates twice.
 
 Every projection is a plain matrix applied as ``x @ W``, so a weight may be replaced (through
 :func:`torch.func.functional_call` or torchopt's meta-optimizers) by a tensor with a leading batch
@@ -10,6 +12,8 @@ test-time training gives every sequence its own fast weights in one batched forw
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -23,24 +27,66 @@ from flashbob import reference
 #: ``(q, k, v, *, causal) -> o``, each ``(batch, heads, seq, head_dim)``; ``k`` and ``v`` may have fewer heads (GQA)
 AttentionFn = Callable[..., torch.Tensor]
 BACKENDS = ("auto", "triton", "blocked")
-ATTENTION = (*BACKENDS, "eager")
+ATTENTION = (*BACKENDS, "eager")  # twice differentiable: what curvature products, MAML and TTT need
+FIRST_ORDER_ATTENTION = ("sdpa",)  # differentiable once
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
+    """:func:`torch.nn.functional.scaled_dot_product_attention` (torch's fused kernels), with GQA when ``k`` has
+    fewer heads than ``q``. Its backward cannot be differentiated again."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def attention_function(name: str) -> AttentionFn:
     """The attention a model's ``attention`` setting names: ``auto``, ``triton`` or ``blocked``:
     :func:`flashbob.attention` on that backend (twice differentiable, no ``N x N`` tensor; ``auto``:
     Triton on CUDA, blocked PyTorch elsewhere); ``eager``: :func:`flashbob.reference.attention`
-    (naive, materialises the scores, PyTorch autograd: the reference). ``flashbob.attention`` is
+    (naive, materialises the scores, PyTorch autograd: the reference); ``sdpa``: torch's
+    :func:`sdpa` (fast, differentiable once). ``flashbob.attention`` is
     looked up at each call, so patching it (as the benchmarks do) reaches every model built here."""
     if name == "eager":
         return reference.attention
+    if name == "sdpa":
+        return sdpa
     if name not in BACKENDS:
-        raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {name!r}")
+        raise ValueError(f"attention must be one of {', '.join((*ATTENTION, *FIRST_ORDER_ATTENTION))}, got {name!r}")
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
         return flashbob.attention(q, k, v, causal=causal, backend=name)
 
     return attend
+
+
+class AttentionSwitch:
+    """A model's attention: ``attention`` on every pass, except inside :meth:`for_curvature`, where it is a
+    twice-differentiable one: the same if ``attention`` already is, else flashbob's (``auto``).
+
+    With ``attention="sdpa"`` a recipe runs the passes that are differentiated once (first-order steps,
+    the steps of a second-order optimizer that take no curvature, evaluation) on torch's fused attention
+    and only the passes an optimizer differentiates twice on flashbob. Call it as an attention function.
+
+    Attributes:
+        first_order: The attention outside :meth:`for_curvature`.
+        twice: The attention inside it.
+    """
+
+    def __init__(self, attention: str) -> None:
+        self.first_order = attention_function(attention)
+        self.twice = self.first_order if attention in ATTENTION else attention_function("auto")
+        self._curvature = False
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
+        attend = self.twice if self._curvature else self.first_order
+        return attend(q, k, v, causal=causal)
+
+    @contextmanager
+    def for_curvature(self, on: bool = True) -> Iterator[None]:
+        """Within the block, attend with :attr:`twice` if ``on`` (else :attr:`first_order`); restored after."""
+        previous, self._curvature = self._curvature, on
+        try:
+            yield
+        finally:
+            self._curvature = previous
 
 
 def kv_heads(d_model: int, n_heads: int, n_kv_heads: int | None) -> int:

@@ -1,5 +1,7 @@
 """Decoder-only transformer whose attention runs through :func:`flashbob.attention` (or, for comparison,
-naive eager attention: ``attention="eager"``).
+naive eager attention: ``attention="eager"``; or torch's fused SDPA on the passes differentiated once and
+flashbob on those an optimizer differentiates twice: ``attention="sdpa"``, see
+:class:`~recipes.common.transformer.AttentionSwitch`).
 
 Pre-norm blocks (RMSNorm or LayerNorm), rotary position embeddings, grouped-query attention,
 a GELU or SwiGLU MLP and optionally tied input/output embeddings. Every operation is
@@ -17,7 +19,7 @@ from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from recipes.common.transformer import AttentionFn, RMSNorm, attention_function, kv_heads, rotate
+from recipes.common.transformer import AttentionFn, AttentionSwitch, RMSNorm, kv_heads, rotate
 
 
 def make_norm(kind: str, dim: int) -> nn.Module:
@@ -88,7 +90,12 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token embedding, ``n_layers`` blocks, final norm, linear head to next-token logits."""
+    """Token embedding, ``n_layers`` blocks, final norm, linear head to next-token logits.
+
+    ``attention`` names the attention (:func:`~recipes.common.transformer.attention_function`); every
+    block calls :attr:`attention`, an :class:`~recipes.common.transformer.AttentionSwitch`, so
+    ``with model.attention.for_curvature():`` makes the model twice differentiable for a pass.
+    """
 
     def __init__(
         self,
@@ -110,7 +117,7 @@ class GPT(nn.Module):
         super().__init__()
         n_kv_heads = kv_heads(d_model, n_heads, n_kv_heads)
         self.checkpoint_activations = checkpoint_activations
-        attend = attention_function(attention)
+        self.attention = attend = AttentionSwitch(attention)
         self.embed = nn.Embedding(vocab_size, d_model)
         self.blocks = nn.ModuleList(
             Block(d_model, n_heads, n_kv_heads, norm, mlp, mlp_ratio, rope_base, attend, dropout)

@@ -3,7 +3,12 @@
 AdamW gets gradients from ``loss.backward()``. The second-order optimizers (from the :mod:`optim`
 package) compute what they need themselves: ``opt.step(closure)`` with a closure that runs the
 forward pass and returns ``(loss, logits)`` without calling backward (NewtonCG and SophiaG build a
-Gauss-Newton product or estimate from the logits; SophiaH and AdaHessian use the loss alone).
+Gauss-Newton product or estimate from the logits; SophiaH and AdaHessian use the loss alone). The
+closure takes an optional ``rows`` slice (NewtonCG's ``curvature_batch`` evaluates the curvature on
+``closure(rows)``), and runs the model with its attention switched to the twice-differentiable one
+only when the optimizer will take curvature through that call: on the steps where its
+``refreshes_next_step`` is true, and on every ``closure(rows)``. The other passes run on the model's
+own attention (torch SDPA with ``model.attention=sdpa``), at the cost of a first-order step.
 
 Data parallel (``torchrun``), AdamW sees gradients that DDP averaged in ``backward``; the
 second-order optimizers are built with ``distributed=True`` and average what they compute
@@ -67,13 +72,16 @@ def build_optimizer(model: nn.Module, name: str, settings: dict, kwargs: dict, w
     """Optimizer ``name`` over :func:`param_groups` of ``model``.
 
     ``settings`` (``lr``, ``betas``, ``eps``) are passed when the constructor takes them, so one
-    config serves optimizers with different signatures; ``kwargs`` are passed as given. With
+    config serves optimizers with different signatures, and so is ``module=model`` (NewtonCG's
+    forward mode runs the model with tangents); ``kwargs`` are passed as given. With
     ``distributed`` (several processes), a second-order optimizer gets ``distributed=True``; one
     that does not take it cannot run data-parallel and raises ``ValueError``.
     """
     cls = optimizer_class(name)
     accepted = inspect.signature(cls).parameters
     chosen = {key: value for key, value in settings.items() if key in accepted}
+    if "module" in accepted:
+        chosen["module"] = model
     if distributed and is_second_order(cls):
         if "distributed" not in accepted:
             raise ValueError(f"optimizer {name} ({cls.__module__}.{cls.__qualname__}) takes no `distributed` argument, "
@@ -93,23 +101,35 @@ def optimizer_stats(opt: torch.optim.Optimizer) -> dict[str, float]:
     return stats
 
 
+def no_switch(on: bool) -> ContextManager:
+    """The attention switch of a model that has none: nothing to switch."""
+    return contextlib.nullcontext()
+
+
 def train_step(opt: torch.optim.Optimizer, forward: Forward, micro_batches: Sequence[Batch], grad_clip: float,
-               no_sync: Callable[[], ContextManager] | None = None) -> tuple[float, dict[str, float]]:
+               no_sync: Callable[[], ContextManager] | None = None,
+               for_curvature: Callable[[bool], ContextManager] = no_switch) -> tuple[float, dict[str, float]]:
     """One optimizer step over ``micro_batches``; returns this process's loss before the step and diagnostics.
 
     First order: gradients of the micro-batches' mean loss accumulate through ``backward``, are
     clipped to norm ``grad_clip`` (0: not clipped) and ``opt.step()`` applies them; ``no_sync``
     (DDP's) skips gradient averaging on all but the last micro-batch. Second order:
     ``opt.step(closure)`` on the single micro-batch; the returned loss is the closure's first value.
+    Each closure call runs inside ``for_curvature(on)`` (the model's
+    :meth:`~recipes.common.transformer.AttentionSwitch.for_curvature`), ``on`` when the optimizer takes
+    curvature through it: every call of a step whose ``refreshes_next_step`` is true (of an optimizer
+    without that property, every step), and every ``closure(rows)``.
     """
     opt.zero_grad(set_to_none=True)
     if is_second_order(type(opt)):
         (inputs, targets), = micro_batches
         first: list[float] = []
+        refresh = getattr(opt, "refreshes_next_step", True)
 
-        def closure():
-            with torch.enable_grad():
-                loss, logits = forward(inputs, targets)
+        def closure(rows: slice | None = None):
+            batch = (inputs, targets) if rows is None else (inputs[rows], targets[rows])
+            with torch.enable_grad(), for_curvature(refresh or rows is not None):
+                loss, logits = forward(*batch)
             if not first:
                 first.append(loss.item())
             return loss, logits

@@ -38,7 +38,7 @@ from recipes.common import data, distributed, training
 from recipes.common.config import ConfigError
 from recipes.common.schedule import build_scheduler
 from recipes.common.training import Autocast, Recipe, StepResult
-from recipes.common.transformer import ATTENTION
+from recipes.common.transformer import ATTENTION, FIRST_ORDER_ATTENTION
 from recipes.lm import optimizers
 from recipes.lm.model import GPT, cross_entropy
 
@@ -57,7 +57,7 @@ class ModelConfig:
     tie_embeddings: bool = True  # output head shares the token embedding matrix
     dropout: float = 0.0  # after attention and MLP outputs
     checkpoint_activations: bool = False  # recompute each block in backward (torch.utils.checkpoint)
-    attention: str = "auto"  # flashbob backend auto (Triton on CUDA, else blocked) | triton | blocked, or eager (naive)
+    attention: str = "auto"  # flashbob: auto | triton | blocked; eager (naive); sdpa (torch, flashbob for curvature)
 
 
 @dataclass
@@ -114,7 +114,7 @@ class Config:
 CHOICES = {
     "model.norm": ("rmsnorm", "layernorm"),
     "model.mlp": ("swiglu", "gelu"),
-    "model.attention": ATTENTION,
+    "model.attention": (*ATTENTION, *FIRST_ORDER_ATTENTION),
     "data.source": ("stdlib", "text", "binary"),
     "data.binary_dtype": tuple(data.BINARY_DTYPES),
 }
@@ -205,7 +205,8 @@ def build(cfg: DictConfig, device: torch.device, autocast: Autocast, ctx: distri
     def step() -> StepResult:
         lr = {"train/lr": opt.param_groups[0]["lr"]} if "lr" in opt.param_groups[0] else {}
         micro = [tuple(x.to(device) for x in train_batches.next()) for _ in range(t.grad_accum_steps)]
-        loss, stats = optimizers.train_step(opt, forward, micro, o.grad_clip, no_sync=no_sync)
+        loss, stats = optimizers.train_step(opt, forward, micro, o.grad_clip, no_sync=no_sync,
+                                            for_curvature=model.attention.for_curvature)
         loss = distributed.average(loss, ctx)
         if scheduler is not None:
             scheduler.step()

@@ -1,0 +1,309 @@
+"""What makes second-order steps cheaper (issue 21, items 3-5), in float64 on the CPU: Martens' CG stopping
+rule, preconditioned CG, NewtonCG's curvature mini-batch and forward-mode products, and the attention
+switch that runs the steps without curvature on torch SDPA."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import hessian
+
+from optim import AdaHessian, NewtonCG, SophiaG, SophiaH, cg
+from recipes.common.transformer import AttentionSwitch, Transformer
+from recipes.lm import optimizers
+from recipes.lm.model import GPT
+from tests.models import MLP
+
+DTYPE = torch.float64
+EXACT = dict(adapt_damping=False, backtrack=False, line_search=False, warm_start_decay=0.0, cg_tol=1e-14)
+
+
+def spd(n: int, gen: torch.Generator, eigenvalues: Tensor) -> Tensor:
+    """A random symmetric matrix with the given eigenvalues."""
+    q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=DTYPE))
+    return q @ torch.diag(eigenvalues) @ q.T
+
+
+# ------------------------------------------------------------------------------------------------ CG
+
+
+@pytest.mark.parametrize(("eps", "window"), [(5e-4, 10), (1e-2, 2)])
+def test_cg_progress_rule_stops_at_the_first_iteration_where_it_holds(gen, eps, window):
+    """Martens (2010): stop at i > k when phi_i < 0 and (phi_i - phi_{i-k}) / phi_i < k eps, k = max(window, i/10)."""
+    n = 80
+    a = spd(n, gen, torch.logspace(-4, 0, n, dtype=DTYPE))
+    b = torch.randn(n, generator=gen, dtype=DTYPE)
+    matvec = lambda v: (a @ v[0],)  # noqa: E731
+    full = cg(matvec, (b,), max_iter=n, tol=0.0, save_at=range(1, n + 1))
+    phi = [0.0] + [it.objective for it in full.iterates]  # phi(x_0 = 0) = 0
+    for i, it in enumerate(full.iterates, 1):  # phi from its definition, not from CG's own bookkeeping
+        x = it.x[0]
+        assert phi[i] == pytest.approx(float(0.5 * x @ a @ x - b @ x), rel=1e-9)
+    expected = next(
+        i for i in range(1, n + 1)
+        if i > (k := max(window, math.ceil(i / 10))) and phi[i] < 0 and (phi[i] - phi[i - k]) / phi[i] < k * eps
+    )  # fmt: skip
+    stopped = cg(matvec, (b,), max_iter=n, tol=0.0, progress_tol=eps, progress_window=window)
+    assert (stopped.status, stopped.iterations) == ("progress", expected)
+    assert expected < n
+
+
+def test_preconditioned_cg_solves_an_ill_conditioned_system_in_fewer_iterations(gen):
+    """A = D C D with D spanning 4 decades: Jacobi preconditioning (M = diag A) undoes most of the scaling."""
+    n = 60
+    c = spd(n, gen, torch.linspace(1, 4, n, dtype=DTYPE))
+    d = torch.diag(torch.logspace(-2, 2, n, dtype=DTYPE)[torch.randperm(n, generator=gen)])
+    a, b = d @ c @ d, torch.randn(n, generator=gen, dtype=DTYPE)
+    matvec = lambda v: (a @ v[0],)  # noqa: E731
+    jacobi = lambda r: (r[0] / a.diagonal(),)  # noqa: E731
+    expected = torch.linalg.solve(a, b)
+    plain = cg(matvec, (b,), max_iter=10 * n, tol=1e-10)
+    preconditioned = cg(matvec, (b,), max_iter=10 * n, tol=1e-10, precondition=jacobi)
+    assert preconditioned.status == "converged"
+    assert preconditioned.iterations < plain.iterations / 3, (preconditioned.iterations, plain.iterations)
+    torch.testing.assert_close(preconditioned.x[0], expected, rtol=1e-6, atol=1e-8)
+
+
+def test_newton_cg_hutchinson_preconditioner_is_martens_diagonal(gen):
+    """With a diagonal curvature, Rademacher probes give diag B exactly, so M = (diag B + lambda)^xi with xi = 1 is
+    the damped system itself: PCG solves it in one iteration, plain CG needs one per distinct eigenvalue."""
+    n, damping = 6, 0.3
+    curvature = torch.rand(n, generator=gen, dtype=DTYPE) * 10 + 0.1
+    c = torch.randn(n, generator=gen, dtype=DTYPE)
+    theta0 = torch.randn(n, generator=gen, dtype=DTYPE)
+    expected = theta0 - (curvature * theta0 + c) / (curvature + damping)
+    iterations = {}
+    for preconditioner in (None, "hutchinson"):
+        theta = theta0.clone().requires_grad_()
+        opt = NewtonCG([theta], damping=damping, curvature="hessian", max_cg_iters=n, preconditioner=preconditioner,
+                       precond_exponent=1.0, **EXACT)  # fmt: skip
+        opt.step(lambda: (0.5 * curvature * theta**2 + c * theta).sum())
+        torch.testing.assert_close(theta.detach(), expected, rtol=1e-10, atol=1e-12)
+        iterations[preconditioner] = opt.stats["cg_iters"]
+    assert iterations == {None: n, "hutchinson": 1}
+
+
+def test_newton_cg_passes_the_progress_window_to_cg(gen):
+    """A long CG solve stops earlier with a short window (Martens' k = 10 cannot stop before iteration 11)."""
+    n = 40
+    a = spd(n, gen, torch.logspace(-3, 0, n, dtype=DTYPE))
+    b = torch.randn(n, generator=gen, dtype=DTYPE)
+    iterations = []
+    for window in (10, 2):
+        theta = torch.zeros(n, dtype=DTYPE, requires_grad=True)
+        opt = NewtonCG([theta], damping=0.0, curvature="hessian", max_cg_iters=n, progress_tol=1e-2,
+                       progress_window=window, **EXACT)  # fmt: skip
+        opt.step(lambda: 0.5 * theta @ a @ theta - b @ theta)
+        iterations.append(opt.stats["cg_iters"])
+    assert 10 < iterations[0] < n and iterations[1] < iterations[0], iterations
+
+
+# ------------------------------------------------------------------------------- curvature mini-batch
+
+
+def softmax_regression(gen, rows=8, features=3, classes=4):
+    x = torch.randn(rows, features, generator=gen, dtype=DTYPE)
+    y = torch.randint(0, classes, (rows,), generator=gen)
+    weight = torch.randn(features, classes, generator=gen, dtype=DTYPE)
+    return x, y, weight
+
+
+@pytest.mark.parametrize("curvature_batch", [3, 0.4])
+def test_curvature_batch_takes_the_products_on_exactly_the_requested_rows(gen, curvature_batch):
+    """Gradient of all 8 rows, curvature of the first floor(0.4 * 8) = 3: the step is -(G_3 + lambda I)^-1 g_8,
+    G_3 the Hessian (= GGN, the model is linear) of the mean loss over rows 0-2 by torch.func."""
+    x, y, w0 = softmax_regression(gen)
+    damping = 0.1
+    weight = w0.clone().requires_grad_()
+    seen = []
+
+    def closure(rows=slice(None)):
+        seen.append(torch.arange(len(x))[rows].tolist())
+        logits = x[rows] @ weight
+        return F.cross_entropy(logits, y[rows]), logits
+
+    opt = NewtonCG([weight], damping=damping, curvature_batch=curvature_batch, max_cg_iters=12, **EXACT)
+    opt.step(closure)
+    assert seen == [list(range(8)), [0, 1, 2]]
+    assert opt.stats["curvature_rows"] == 3 and not opt.refreshes_next_step
+    g = torch.func.grad(lambda w: F.cross_entropy(x @ w, y))(w0).reshape(-1)
+    g3 = hessian(lambda w: F.cross_entropy(x[:3] @ w, y[:3]))(w0).reshape(12, 12)
+    step = torch.linalg.solve(g3 + damping * torch.eye(12, dtype=DTYPE), -g)
+    torch.testing.assert_close(weight.detach(), w0 + step.reshape(3, 4), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(weight.grad, g.reshape(3, 4), rtol=1e-12, atol=1e-14)
+
+
+def test_curvature_batch_bad_input_is_named(gen):
+    x, y, w0 = softmax_regression(gen)
+    weight = w0.clone().requires_grad_()
+    for bad in (1.0, 0.0, 0, -2, True, "half"):
+        with pytest.raises(ValueError, match=f"invalid curvature_batch: {bad!r}; expected None"):
+            NewtonCG([weight], curvature_batch=bad)
+    with pytest.raises(TypeError, match=r"closure\(rows\).*takes no argument: write it as def closure"):
+        NewtonCG([weight], curvature_batch=2).step(lambda: F.cross_entropy(x @ weight, y))
+    with pytest.raises(RuntimeError, match=r"curvature_batch=0.5\) takes the batch's rows from .* returned neither"):
+        NewtonCG([weight], curvature_batch=0.5, curvature="hessian").step(lambda rows=None: (x @ weight).sum())
+    with pytest.raises(ValueError, match="mode='forward'\\) needs module="):
+        NewtonCG([weight], mode="forward")
+
+
+# -------------------------------------------------------------------------------------- forward mode
+
+
+def mlp_closure(model: nn.Module, x: Tensor, y: Tensor):
+    def closure(rows=slice(None)):
+        logits = model(x[rows])
+        return F.cross_entropy(logits, y[rows]), logits
+
+    return closure
+
+
+@pytest.mark.parametrize("curvature_batch", [None, 4])
+@pytest.mark.parametrize("curvature", ["ggn", "hessian"])
+def test_forward_mode_takes_the_same_steps_as_reverse_mode(curvature, curvature_batch):
+    """Two full NewtonCG steps (Hutchinson preconditioner, backtracking, damping, line search) per mode."""
+    torch.manual_seed(0)
+    x, y = torch.randn(10, 4, dtype=DTYPE), torch.randint(0, 3, (10,))
+    models = {"reverse": MLP([4, 6, 3])}
+    models["forward"] = copy.deepcopy(models["reverse"])
+    initial = [p.detach().clone() for p in models["reverse"].parameters()]
+    losses = {}
+    for mode, model in models.items():
+        opt = NewtonCG(model.parameters(), curvature=curvature, curvature_batch=curvature_batch, mode=mode,
+                       module=model, preconditioner="hutchinson", max_cg_iters=6,
+                       generator=torch.Generator().manual_seed(1))  # fmt: skip
+        losses[mode] = [float(opt.step(mlp_closure(model, x, y))) for _ in range(2)]
+        assert opt.stats["step_skipped"] == 0 and opt.stats["cg_iters"] >= 1
+    assert losses["forward"] == pytest.approx(losses["reverse"], rel=1e-12)
+    for p, q in zip(models["forward"].parameters(), models["reverse"].parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-10)
+    assert all(not torch.equal(p, p0) for p, p0 in zip(models["forward"].parameters(), initial)), "the steps moved"
+
+
+def test_forward_mode_gauss_newton_step_through_flashbob_attention():
+    """The forward-mode GGN product runs flashbob's forward-mode rules (blocked backend); same step as reverse."""
+    torch.manual_seed(0)
+    config = dict(vocab_size=11, n_outputs=11, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, attention="blocked")
+    reverse = Transformer(**config).double()
+    forward = copy.deepcopy(reverse)
+    tokens = torch.randint(0, 11, (3, 6))
+    for mode, model in (("reverse", reverse), ("forward", forward)):
+        def closure(rows=slice(None), model=model):
+            logits = model(tokens[rows, :-1])
+            return F.cross_entropy(logits.flatten(0, 1), tokens[rows, 1:].flatten()), logits
+
+        opt = NewtonCG(model.parameters(), curvature_batch=2, mode=mode, module=model, max_cg_iters=4)
+        opt.step(closure)
+    for p, q in zip(forward.parameters(), reverse.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-10)
+
+
+# ------------------------------------------------------------------------------ which steps take curvature
+
+
+def test_refreshes_next_step_says_which_steps_take_curvature(gen):
+    """SophiaH/G: exactly the steps whose stats report a refresh (and not after update_hessian); AdaHessian always;
+    NewtonCG through closure() unless its curvature is on closure(rows)."""
+    x, y, w0 = softmax_regression(gen)
+    for cls in (SophiaH, SophiaG):
+        weight = w0.clone().requires_grad_()
+        opt = cls([weight], update_period=3)
+        predicted, refreshed = [], []
+        for _ in range(7):
+            predicted.append(opt.refreshes_next_step)
+            opt.step(lambda: (F.cross_entropy(x @ weight, y), x @ weight))
+            refreshed.append(bool(opt.stats["hessian_refreshed"]))
+        assert predicted == refreshed == [True, False, False, True, False, False, True], cls.__name__
+        assert not opt.refreshes_next_step
+    opt = SophiaH([weight], update_period=1)
+    opt.update_hessian(F.cross_entropy(x @ weight, y))
+    assert not opt.refreshes_next_step, "update_hessian refreshed h for the next step"
+    assert AdaHessian([weight]).refreshes_next_step
+    assert NewtonCG([weight]).refreshes_next_step and not NewtonCG([weight], curvature_batch=2).refreshes_next_step
+
+
+# ------------------------------------------------------------------------------------ attention switch
+
+
+def counted(switch: AttentionSwitch, calls: list[str]) -> None:
+    """Make ``switch`` record in ``calls`` which of its attentions ran."""
+    for name in ("first_order", "twice"):
+        def attend(*args, inner=getattr(switch, name), name=name, **kwargs):
+            calls.append(name)
+            return inner(*args, **kwargs)
+
+        setattr(switch, name, attend)
+
+
+def gpt(attention: str) -> GPT:
+    torch.manual_seed(0)
+    return GPT(vocab_size=16, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, attention=attention).double()
+
+
+def test_sdpa_attention_matches_eager_and_switches_to_flashbob_for_curvature():
+    tokens = torch.randint(0, 16, (2, 9))
+    sdpa, eager = gpt("sdpa"), gpt("eager")
+    torch.testing.assert_close(sdpa(tokens), eager(tokens), rtol=1e-12, atol=1e-12)
+    calls = []
+    counted(sdpa.attention, calls)
+    sdpa(tokens)
+    with sdpa.attention.for_curvature():
+        sdpa(tokens)
+        with sdpa.attention.for_curvature(False):
+            sdpa(tokens)
+        sdpa(tokens)
+    sdpa(tokens)
+    assert calls == ["first_order"] * 2 + ["twice"] * 2 + ["first_order"] * 2 + ["twice"] * 2 + ["first_order"] * 2
+    assert eager.attention.twice is eager.attention.first_order, "eager attention is twice differentiable itself"
+    with pytest.raises(ValueError, match="attention must be one of auto, triton, blocked, eager, sdpa, got 'flash'"):
+        GPT(attention="flash")
+
+
+def train(model: GPT, opt: torch.optim.Optimizer, batches: list[tuple[Tensor, Tensor]]) -> list[float]:
+    def forward(inputs, targets):  # the recipe's forward, but in float64 throughout
+        logits = model(inputs)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()), logits
+
+    return [optimizers.train_step(opt, forward, [batch], 0.0, for_curvature=model.attention.for_curvature)[0]
+            for batch in batches]
+
+
+@pytest.mark.parametrize("name", ["sophiah", "newtoncg"])
+def test_recipe_runs_sdpa_on_steps_without_curvature_and_matches_flashbob(name):
+    """SophiaH (update_period 2): steps 1 and 3 refresh through flashbob, steps 2 and 4 run SDPA alone. NewtonCG with
+    a curvature batch: closure() (gradient, trial points) on SDPA, closure(rows) and its forward-mode products on
+    flashbob. Losses and weights equal those of a model that always runs flashbob (blocked backend)."""
+    tokens = torch.randint(0, 16, (4, 3, 9))
+    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
+    settings = {"sophiah": dict(lr=1e-2, update_period=2),
+                "newtoncg": dict(curvature_batch=1, mode="forward", max_cg_iters=3, warm_start_decay=0.0)}[name]
+    models = {attention: gpt(attention) for attention in ("sdpa", "blocked")}
+    calls = []
+    counted(models["sdpa"].attention, calls)
+    losses, per_step, cg_iters = {}, [], []
+    for attention, model in models.items():
+        generator = torch.Generator().manual_seed(0)  # the same probes for both
+        opt = optimizers.build_optimizer(model, name, {}, {**settings, "generator": generator}, 0.0, False)
+        losses[attention] = []
+        for batch in batches:
+            losses[attention] += train(model, opt, [batch])
+            per_step.append(calls[:])
+            cg_iters.append(opt.stats.get("cg_iters"))
+            calls.clear()
+    assert losses["sdpa"] == pytest.approx(losses["blocked"], rel=1e-10)
+    for p, q in zip(models["sdpa"].parameters(), models["blocked"].parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-10)
+    layers, sdpa_steps = 2, per_step[: len(batches)]
+    if name == "sophiah":
+        assert sdpa_steps == [["twice"] * layers, ["first_order"] * layers] * 2
+        return
+    for calls, iterations in zip(sdpa_steps, cg_iters):
+        # closure() for the gradient, closure(rows) for the curvature batch, one forward-mode J v per CG product,
+        # then closure() at the trial points of the search
+        assert calls[: 2 * layers] == ["first_order"] * layers + ["twice"] * layers
+        assert calls.count("twice") == layers * (1 + iterations) and calls[-1] == "first_order"
