@@ -279,9 +279,48 @@ class LossHessian(Protocol):
         ...
 
 
+DEFAULT_CHUNK_ELEMENTS = 2**24
+"""Logits per chunk of the cross-entropy curvature (:class:`CrossEntropyHessian`, SophiaG's label sampling):
+16,777,216, so each float32 temporary of a chunk takes 64 MiB (512 rows at :math:`V = 32768`)."""
+
+
+def check_chunk_elements(chunk_elements: int) -> None:
+    """Raise ``ValueError`` unless ``chunk_elements`` (logits per chunk) is a positive integer."""
+    if isinstance(chunk_elements, bool) or not isinstance(chunk_elements, int) or chunk_elements < 1:
+        raise ValueError(f"chunk_elements must be a positive integer (logits per chunk), got {chunk_elements!r}")
+
+
+def row_chunks(rows: int, classes: int, chunk_elements: int) -> list[slice]:
+    """Consecutive slices covering ``range(rows)``, of ``max(1, chunk_elements // classes)`` rows each
+    (the last may be shorter)."""
+    check_chunk_elements(chunk_elements)
+    step = max(1, chunk_elements // max(classes, 1))
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+def logit_rows(logits: Tensor, targets: Tensor | None, ignore_index: int, owner: str) -> tuple[Tensor, Tensor]:
+    """The logits as rows ``(R, V)`` (a view where the layout allows) and the mask of the rows that count.
+
+    A row counts unless its target is ``ignore_index``; without ``targets`` every row counts.
+
+    Raises:
+        ValueError: ``logits`` has no class dimension, or ``targets`` has not one entry per row.
+    """
+    if logits.dim() < 1:
+        raise ValueError(f"{owner}: the logits need the classes in their last dimension, got a scalar")
+    rows = logits.reshape(-1, logits.shape[-1])
+    if targets is None:
+        return rows, torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
+    if targets.numel() != rows.shape[0]:
+        raise ValueError(
+            f"{owner}: {targets.numel()} targets for the {rows.shape[0]} rows of the logits {tuple(logits.shape)}"
+        )
+    return rows, targets.reshape(-1).to(rows.device) != ignore_index
+
+
 @dataclass(frozen=True)
 class CrossEntropyHessian:
-    r"""Hessian of ``F.cross_entropy`` w.r.t. the logits, in closed form.
+    r"""Hessian of ``F.cross_entropy`` w.r.t. the logits, in closed form, a chunk of rows at a time.
 
     Logits :math:`z` have the classes in the last dimension (``(B, V)``, or ``(B, T, V)`` for a
     language model, i.e. ``F.cross_entropy(z.flatten(0, -2), targets.flatten())``). For every row
@@ -292,27 +331,57 @@ class CrossEntropyHessian:
 
     where :math:`m_r = [\text{targets}_r \ne \text{ignore\_index}]` and :math:`c = \sum_r m_r`
     for ``reduction="mean"`` (at least 1), :math:`c = 1` for ``"sum"``. The targets enter only
-    through :math:`m`; softmax is taken in at least float32.
+    through :math:`m`; ignored rows are exactly zero (even where their logits are not finite).
+
+    Rows are independent, so the product runs over chunks of ``chunk_elements // V`` rows:
+    softmax is taken in at least float32 for one chunk at a time and each chunk's result is
+    written into the output (dtype of ``u``). Beyond the output, a product holds a few float32
+    chunks (about ``4 * chunk_elements * 4`` bytes), not float32 copies of all :math:`R \cdot V`
+    logits; the result is the same for every chunk size (each row's arithmetic is unchanged).
 
     Args:
-        targets: Class indices shaped like the logits without their last dimension.
+        targets: Class indices, one per row of the logits (shaped like them without their last
+            dimension, or flattened).
         reduction: ``"mean"`` or ``"sum"``, as passed to ``F.cross_entropy``.
         ignore_index: Target value whose rows do not count.
+        chunk_elements: Logits per chunk (rounded down to whole rows, at least one row).
+
+    Raises:
+        ValueError: ``chunk_elements`` is not a positive integer; at a product, ``targets`` has
+            not one entry per row, or ``out`` is not a contiguous tensor shaped like ``vec``.
     """
 
     targets: Tensor
     reduction: Reduction = "mean"
     ignore_index: int = -100
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
 
-    def __call__(self, outputs: Tensor, vec: Tensor) -> Tensor:
-        """Return :math:`H_L u` for logits ``outputs`` and tangent ``vec``."""
-        p = torch.softmax(outputs, dim=-1, dtype=torch.promote_types(outputs.dtype, torch.float32))
-        hv = p * (vec - (p * vec).sum(dim=-1, keepdim=True))
-        counted = (self.targets != self.ignore_index).unsqueeze(-1)
-        hv = hv * counted
-        if self.reduction == "mean":
-            hv = hv / counted.sum().clamp(min=1)
-        return hv.to(vec.dtype)
+    def __post_init__(self) -> None:
+        check_chunk_elements(self.chunk_elements)
+
+    def __call__(self, outputs: Tensor, vec: Tensor, *, out: Tensor | None = None) -> Tensor:
+        """Return :math:`H_L u` for logits ``outputs`` and tangent ``vec``.
+
+        ``out`` receives the result (and is returned); it may be ``vec`` itself, which is then
+        overwritten chunk by chunk, each chunk read before it is written.
+        """
+        logits, counted = logit_rows(outputs, self.targets, self.ignore_index, "CrossEntropyHessian")
+        tangent = vec.reshape(logits.shape)
+        if out is None:
+            out = torch.empty(vec.shape, dtype=vec.dtype, device=vec.device)
+        elif out.shape != vec.shape or out.dtype != vec.dtype or not out.is_contiguous():
+            raise ValueError(
+                f"CrossEntropyHessian: out must be a contiguous {vec.dtype} tensor of shape {tuple(vec.shape)}, got "
+                f"{out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}"
+            )
+        count = max(int(counted.sum()), 1) if self.reduction == "mean" else 1
+        result = out.view(logits.shape)
+        for rows in row_chunks(logits.shape[0], logits.shape[1], self.chunk_elements):
+            z, u = logits[rows], tangent[rows]
+            p = torch.softmax(z, dim=-1, dtype=torch.promote_types(z.dtype, torch.float32))
+            hv = (u - (p * u).sum(dim=-1, keepdim=True)).mul_(p)
+            result[rows] = hv.masked_fill_(~counted[rows, None], 0).div_(count)
+        return out
 
 
 @dataclass(frozen=True)
@@ -501,8 +570,26 @@ class GGNOperator(CurvatureOperator):
         return _vjp([self.outputs], self.params, [cotangent], retain_graph=True)
 
     def matvec(self, vec: Tensors) -> tuple[Tensor, ...]:
-        r"""Return :math:`G v = J^\top H_L J v`, one tensor per parameter."""
-        return self.vjp(self.loss_hessian(self.outputs.detach(), self.jvp(vec)))
+        r"""Return :math:`G v = J^\top H_L J v`, one tensor per parameter.
+
+        A :class:`CrossEntropyHessian` writes :math:`H_L J v` over :math:`J v` when that is a
+        buffer of the product's own (not a view of ``vec``), so the product holds one tensor the
+        size of the outputs where it would hold two.
+        """
+        tangent = self.jvp(vec)
+        if isinstance(self.loss_hessian, CrossEntropyHessian) and _own_buffer(tangent, vec):
+            return self.vjp(self.loss_hessian(self.outputs.detach(), tangent, out=tangent))
+        return self.vjp(self.loss_hessian(self.outputs.detach(), tangent))
+
+
+def _own_buffer(tensor: Tensor, others: Tensors) -> bool:
+    """Whether ``tensor`` may be overwritten: contiguous, without a graph, sharing memory with none of ``others``."""
+    storage = tensor.untyped_storage().data_ptr()
+    return (
+        tensor.is_contiguous()
+        and not tensor.requires_grad
+        and all(other.untyped_storage().data_ptr() != storage for other in others)
+    )
 
 
 class LossGraphHessian:

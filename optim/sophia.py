@@ -7,16 +7,19 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from optim import _closure
 from optim import distributed as _dist
 from optim.curvature import (
+    DEFAULT_CHUNK_ELEMENTS,
     CurvatureOperator,
     Distribution,
     HessianOperator,
+    _vjp,
     hutchinson_diagonal,
+    logit_rows,
+    row_chunks,
 )
 
 
@@ -355,6 +358,40 @@ class SophiaH(_Sophia):
         self._refresh(params, groups, estimate)
 
 
+def _sampled_loss_gradient(
+    rows: Tensor, counted: Tensor, count: int, generator: torch.Generator | None, chunk_elements: int
+) -> Tensor | None:
+    r"""The gradient w.r.t. the logits of the loss at labels sampled from the model, a chunk of rows at a time.
+
+    For the counted rows :math:`r` (``counted``), :math:`\hat y_r \sim p_r = \operatorname{softmax}(z_r)`
+    and :math:`\hat L = \frac1c \sum_r \ell_{CE}(z_r, \hat y_r)`, whose gradient has the rows
+
+    .. math:: \nabla_{z_r} \hat L = \frac{p_r - e_{\hat y_r}}{c},
+
+    and zeros in the rows that do not count (which never reach the sampler). Each chunk of
+    :func:`~optim.curvature.row_chunks` takes its softmax in at least float32, samples its labels
+    (``torch.multinomial`` on float32 probabilities) and writes its rows, so besides the result
+    (shaped and typed like ``rows``) only a chunk's temporaries are held. On the CPU the draws do
+    not depend on the chunk size; on CUDA they may.
+
+    Returns:
+        The gradient, or ``None`` when the softmax of a counted row is not finite.
+    """
+    gradient = torch.zeros(rows.shape, dtype=rows.dtype, device=rows.device)
+    for chunk in row_chunks(rows.shape[0], rows.shape[1], chunk_elements):
+        mask = counted[chunk]
+        z = rows[chunk][mask]
+        if z.shape[0] == 0:
+            continue
+        p = torch.softmax(z, dim=-1, dtype=torch.promote_types(z.dtype, torch.float32))
+        if not bool(torch.isfinite(p).all()):
+            return None
+        sampled = torch.multinomial(p.float(), 1, generator=generator).squeeze(-1)
+        p[torch.arange(z.shape[0], device=p.device), sampled] -= 1
+        gradient[chunk][mask] = p.div_(count).to(rows.dtype)
+    return gradient
+
+
 class SophiaG(_Sophia):
     r"""Sophia with the Gauss-Newton-Bartlett estimate of the Hessian diagonal (Sophia-G), for softmax cross-entropy.
 
@@ -413,6 +450,10 @@ class SophiaG(_Sophia):
             their counted rows :math:`B_r`, into the whole batch's
             :math:`\hat g = \sum_r B_r \hat g_r / \sum_r B_r` before squaring (one all-reduce
             of :math:`n + 1` elements on refresh steps besides the gradient's).
+        chunk_elements: Logits per chunk of the label sampling: the softmax and the sampled
+            loss's gradient w.r.t. the logits are formed a chunk of rows at a time, so a refresh
+            holds one tensor the size of the logits (that gradient) besides a chunk's float32
+            temporaries (see :func:`~optim.curvature.row_chunks`).
     """
 
     _owner = "SophiaG"
@@ -436,33 +477,30 @@ class SophiaG(_Sophia):
         ignore_index: int = -100,
         generator: torch.Generator | None = None,
         distributed: _dist.Distributed = False,
+        chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
     ) -> None:
+        _closure.check_hyperparameters(
+            self._owner, {"chunk_elements": chunk_elements}, {"chunk_elements": _closure.COUNT}
+        )
         super().__init__(params, lr, betas, rho, weight_decay, eps, update_period, maximize, generator, distributed)
-        self.ignore_index = ignore_index
+        self.ignore_index, self.chunk_elements = ignore_index, chunk_elements
 
-    def _counted_rows(self, logits: Tensor, targets: Tensor | None) -> Tensor:
-        """The logits as rows ``(B, V)``, without those whose target is ``ignore_index``."""
+    def _counted_rows(self, logits: Tensor, targets: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The logits as rows ``(B, V)`` and the mask of those that count (target not ``ignore_index``)."""
         if not isinstance(logits, Tensor) or logits.dim() < 1 or logits.shape[-1] < 2:
             got = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
             raise ValueError(
                 f"SophiaG takes logits with at least 2 classes in the last dimension, got {got} (a loss goes to "
                 "SophiaH.update_hessian)"
             )
-        rows = logits.reshape(-1, logits.shape[-1])
-        if targets is None:
-            return rows
-        if targets.numel() != rows.shape[0]:
-            raise ValueError(f"SophiaG: {targets.numel()} targets for the {rows.shape[0]} rows of the logits")
-        return rows[targets.reshape(-1).to(rows.device) != self.ignore_index]
+        return logit_rows(logits, targets, self.ignore_index, self._owner)
 
     def _bartlett(self, logits: Tensor, targets: Tensor | None, params: list[Tensor]) -> tuple[Tensor, ...]:
-        rows = self._counted_rows(logits, targets)
-        count = max(rows.shape[0], 1)
-        probs = torch.softmax(rows.detach().float(), dim=-1)
-        if _closure.all_finite([probs]):
-            sampled = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
-            sampled_loss = F.cross_entropy(rows, sampled, reduction="sum") / count
-            sampled_grads = _closure.gradients(sampled_loss, params, retain_graph=True)
+        rows, counted = self._counted_rows(logits, targets)
+        count = max(int(counted.sum()), 1)
+        cotangent = _sampled_loss_gradient(rows.detach(), counted, count, self.generator, self.chunk_elements)
+        if cotangent is not None:
+            sampled_grads = _vjp([logits], params, [cotangent.view(logits.shape)], retain_graph=True)
         else:  # the estimate at non-finite logits is not finite: the caller skips it with a warning
             sampled_grads = tuple(torch.full_like(p, math.nan) for p in params)
         if self.group is not None:  # the whole batch's gradient: rank sums of B_r g_r and of B_r
