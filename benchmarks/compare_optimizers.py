@@ -8,11 +8,14 @@ Run from the checkout (one GPU; pick it with CUDA_VISIBLE_DEVICES)::
         --docs /tmp/compare --optimizers adamw sophiah
 
 For every optimizer it launches ``python -m recipes.lm --config CONFIG`` (default
-configs/lm/compare_8k.yaml) with ``train.steps`` = ``--tokens`` / tokens per step (the same
-steps, hence tokens, for all), validation every 1/8 of the steps, one checkpoint at the end,
-``logger.kind=none``, no progress bar and ``FLASHBOB_AUTOTUNE=0`` (autotuning every kernel would
-take longer than the runs). Each optimizer's own settings (``SETTINGS`` below) come after the
-config and before the ``key=value`` overrides of the command line, which apply to every run.
+configs/lm/compare_8k.yaml, whose ``model.attention=sdpa`` runs AdamW on torch SDPA and the
+second-order optimizers on flashbob only for their curvature passes) with ``train.steps`` =
+``--tokens`` / tokens per step (the same steps, hence tokens, for all), validation every 1/8 of
+the steps, one checkpoint at the end, ``logger.kind=none``, no progress bar and
+``FLASHBOB_AUTOTUNE=0`` (autotuning every kernel would take longer than the runs). Each
+optimizer's own settings (``SETTINGS`` below) come after the config and before the ``key=value``
+overrides of the command line, which apply to every run. ``VARIANTS`` are other settings of an
+optimizer under their own name (e.g. ``--optimizers adamw newtoncg newtoncg_full``).
 
 Training time is the sum of the recipe's per-step times (tokens per step / ``train/tokens_per_s``,
 logged at every step) from step 2 on: evaluation, checkpointing, start-up and step 1 (which
@@ -22,8 +25,9 @@ stopped; the steps it logged are kept and its status says so.
 Writes to ``--docs``: ``optimizer_comparison.csv`` (one row per optimizer and step: tokens,
 training seconds, train loss, validation loss at the evaluation steps, learning rate, peak
 memory, the optimizer's own statistics), ``optimizer_comparison_tokens.png`` (loss vs tokens)
-and ``optimizer_comparison_time.png`` (loss vs training time, log scale), and prints a Markdown
-table of the results last.
+and ``optimizer_comparison_time.png`` (loss vs training time, log scale), and prints two Markdown
+tables last: the results, and the cost per step against the first run's (AdamW's), with
+SophiaH's Hessian-refresh steps and plain steps apart.
 """
 
 from __future__ import annotations
@@ -52,14 +56,24 @@ EVALUATIONS = 8  # validation losses per run, evenly spaced over the steps (and 
 # weight decay and schedule; its own betas (0.965, 0.99), rho 0.01 and a Hutchinson estimate of the
 # Hessian diagonal every 10 steps, as in Liu et al. (2023). NewtonCG: Gauss-Newton (the closure
 # returns the logits), lr 1 (the full CG step, found by backtracking and an Armijo line search)
-# without warm-up or decay, initial damping 1 adapted by Levenberg-Marquardt, at most 10 CG
-# iterations warm-started from the last step's, no weight decay (with lr 1 it would shrink the
-# weights by 10% per step).
+# without warm-up or decay, initial damping 1 adapted by Levenberg-Marquardt, CG warm-started from
+# the last step's, no weight decay (with lr 1 it would shrink the weights by 10% per step); the
+# curvature products on the first of the step's 2 windows (curvature_batch 1, Martens' curvature
+# mini-batch), the Gauss-Newton product by forward mode, at most 4 CG iterations.
+NEWTON_CG = ["optimizer.lr=1.0", "optimizer.weight_decay=0", "optimizer.warmup_steps=0", "optimizer.min_lr_ratio=1",
+             "optimizer.kwargs.damping=1.0"]
 SETTINGS = {
     "adamw": [],
     "sophiah": ["optimizer.kwargs.rho=0.01", "optimizer.kwargs.update_period=10"],
-    "newtoncg": ["optimizer.lr=1.0", "optimizer.weight_decay=0", "optimizer.warmup_steps=0",
-                 "optimizer.min_lr_ratio=1", "optimizer.kwargs.damping=1.0", "optimizer.kwargs.max_cg_iters=10"],
+    "newtoncg": [*NEWTON_CG, "optimizer.kwargs.max_cg_iters=4", "optimizer.kwargs.curvature_batch=1",
+                 "optimizer.kwargs.mode=forward"],
+}
+VARIANTS = {  # name: (optimizer, its settings)
+    # the settings of the 2026-11-30 comparison: products on every row, reverse mode, 10 CG iterations
+    "newtoncg_full": ("newtoncg", [*NEWTON_CG, "optimizer.kwargs.max_cg_iters=10"]),
+    # the new settings with 8 CG iterations, and with 4 and Martens' preconditioner (diag + damping)^0.75
+    "newtoncg_cg8": ("newtoncg", [*SETTINGS["newtoncg"], "optimizer.kwargs.max_cg_iters=8"]),
+    "newtoncg_pcg": ("newtoncg", [*SETTINGS["newtoncg"], "optimizer.kwargs.preconditioner=hutchinson"]),
 }
 FIELDS = ["optimizer", "step", "tokens", "step_s", "train_s", "train_loss", "val_loss", "lr", "max_memory_gib"]
 LAST_STEPS = 10  # the summary's train loss is the mean over this many last steps
@@ -74,13 +88,13 @@ def read_metrics(path: Path) -> list[dict]:
 
 def run(optimizer: str, steps: int, tokens_per_step: int, args: argparse.Namespace,
         out_dir: Path) -> tuple[list[dict], dict]:
-    """Train with ``optimizer``; returns its CSV rows and its summary."""
+    """Train with ``optimizer`` (the recipe's name or one of :data:`VARIANTS`); returns its CSV rows and summary."""
+    name, settings = VARIANTS.get(optimizer, (optimizer, SETTINGS.get(optimizer, [])))
     command = [
         sys.executable, "-m", "recipes.lm", "--config", str(args.config), f"name={optimizer}", f"out_dir={out_dir}",
-        f"optimizer.name={optimizer}", f"train.steps={steps}", "train.log_interval=1",
+        f"optimizer.name={name}", f"train.steps={steps}", "train.log_interval=1",
         f"train.eval_interval={max(1, steps // EVALUATIONS)}", "train.checkpoint_interval=0",
-        "train.keep_checkpoints=1", "train.progress=false", "logger.kind=none",
-        *SETTINGS.get(optimizer, []), *args.overrides,
+        "train.keep_checkpoints=1", "train.progress=false", "logger.kind=none", *settings, *args.overrides,
     ]  # fmt: skip
     env = child_environment(FLASHBOB_AUTOTUNE="0")
     print(" ".join(command), file=sys.stderr, flush=True)
@@ -164,6 +178,36 @@ def markdown(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def step_costs(rows: list[dict], optimizers: list[str]) -> str:
+    """The cost table: mean milliseconds per step from step 2 on (range), and in steps of the first optimizer;
+    an optimizer that logs ``optimizer/hessian_refreshed`` gets a row for its refresh steps and one for the others."""
+    measured = [r for r in rows if r["step"] > 1]
+    groups = []
+    for optimizer in optimizers:
+        mine = [r for r in measured if r["optimizer"] == optimizer]
+        groups.append((optimizer, mine))
+        refreshed = [r for r in mine if r.get("optimizer/hessian_refreshed") == 1.0]
+        if any("optimizer/hessian_refreshed" in r for r in mine):
+            plain = [r for r in mine if r.get("optimizer/hessian_refreshed") != 1.0]
+            groups += [(f"{optimizer}, {len(refreshed)} refresh steps", refreshed),
+                       (f"{optimizer}, {len(plain)} plain steps", plain)]
+    lines = ["| optimizer | ms per step: mean (range) | in steps of the first | CG iterations (mean) |",
+             "|---|---|---|---|"]
+    baseline = None
+    for label, mine in groups:
+        times = [1000 * r["step_s"] for r in mine]
+        if not times:
+            lines.append(f"| {label} | | | |")
+            continue
+        mean = sum(times) / len(times)
+        baseline = mean if baseline is None else baseline
+        cg = [r["optimizer/cg_iters"] for r in mine if r.get("optimizer/cg_iters") is not None]
+        cells = [f"{mean:.1f} ({min(times):.1f}-{max(times):.1f})", f"{mean / baseline:.2f}",
+                 f"{sum(cg) / len(cg):.2f}" if cg else ""]
+        lines.append(f"| {label} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "lm" / "compare_8k.yaml")
@@ -200,6 +244,8 @@ def main() -> None:
          args.docs / "optimizer_comparison_time.png", log_x=True)
     print(f"wrote {args.docs}/optimizer_comparison{{.csv,_tokens.png,_time.png}}", file=sys.stderr)
     print(markdown(summaries))
+    print()
+    print(step_costs(rows, args.optimizers))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""benchmarks/compare_optimizers.py end to end on the CPU: two optimizers, a few steps of a micro model."""
+"""benchmarks/compare_optimizers.py end to end on the CPU: three optimizers with the script's own settings (NewtonCG:
+curvature batch, forward mode), a few steps of a micro model whose attention is SDPA switched to flashbob for curvature."""
 
 from __future__ import annotations
 
@@ -13,15 +14,16 @@ from benchmarks.environment import child_environment
 ROOT = Path(__file__).resolve().parent.parent
 MICRO = [
     "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "data.max_bytes=200000", "data.val_fraction=0.1",
-    "data.context_length=64", "data.batch_size=2", "train.eval_batches=1", "train.threads=1",
+    "data.context_length=64", "data.batch_size=2", "train.eval_batches=1", "train.threads=1", "model.attention=sdpa",
 ]  # fmt: skip
+OPTIMIZERS = ["adamw", "sophiah", "newtoncg"]
 
 
 def test_compare_optimizers_writes_csv_plots_and_table(tmp_path: Path) -> None:
     steps, tokens_per_step = 4, 2 * 64
     command = [
         sys.executable, "benchmarks/compare_optimizers.py", "--config", "configs/lm/tiny.yaml",
-        "--optimizers", "adamw", "sophiah", "--tokens", str(steps * tokens_per_step + 5),
+        "--optimizers", *OPTIMIZERS, "--tokens", str(steps * tokens_per_step + 5),
         "--out-dir", str(tmp_path / "runs"), "--docs", str(tmp_path / "docs"), *MICRO,
     ]  # fmt: skip
     done = subprocess.run(command, check=False, cwd=ROOT, env=child_environment(),
@@ -30,18 +32,26 @@ def test_compare_optimizers_writes_csv_plots_and_table(tmp_path: Path) -> None:
 
     with open(tmp_path / "docs" / "optimizer_comparison.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    for optimizer in ("adamw", "sophiah"):
+    for optimizer in OPTIMIZERS:
         mine = [r for r in rows if r["optimizer"] == optimizer]
         assert [int(r["step"]) for r in mine] == list(range(1, steps + 1))
         assert int(mine[-1]["tokens"]) == steps * tokens_per_step  # the budget, rounded down to whole steps
         assert float(mine[-1]["val_loss"]) > 0 and float(mine[-1]["train_s"]) > 0
-    assert rows[-1]["optimizer/unclipped_fraction"]  # SophiaH's statistics are columns
+    sophia = [r for r in rows if r["optimizer"] == "sophiah"]
+    assert sophia[-1]["optimizer/unclipped_fraction"]  # SophiaH's statistics are columns
+    newton = [r for r in rows if r["optimizer"] == "newtoncg"]
+    assert {r["optimizer/curvature_rows"] for r in newton} == {"1.0"}, "the products ran on 1 of the 2 windows"
+    assert all(1 <= float(r["optimizer/cg_iters"]) <= 4 for r in newton)
     for plot in ("tokens", "time"):
         assert (tmp_path / "docs" / f"optimizer_comparison_{plot}.png").stat().st_size > 0
-    table = done.stdout.strip().splitlines()
-    assert table[0].startswith("| optimizer | status |") and len(table) == 4
-    assert table[2].startswith("| adamw | ok | 4 |") and table[3].startswith("| sophiah | ok | 4 |")
-    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["adamw", "sophiah"]
+    summary, costs = (table.splitlines() for table in done.stdout.strip().split("\n\n"))
+    assert summary[0].startswith("| optimizer | status |") and len(summary) == 5
+    assert [line.split(" | ")[:3] for line in summary[2:]] == [[f"| {o}", "ok", "4"] for o in OPTIMIZERS]
+    # steps 2-4: SophiaH refreshes its Hessian at step 1 only (update_period 10)
+    assert [line.split(" | ")[0] for line in costs[2:]] == ["| adamw", "| sophiah", "| sophiah, 0 refresh steps",
+                                                            "| sophiah, 3 plain steps", "| newtoncg"]
+    assert costs[2].split(" | ")[2] == "1.00" and 1 <= float(costs[-1].split(" | ")[3].rstrip(" |")) <= 4
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted(OPTIMIZERS)
 
 
 def test_child_runs_keep_the_callers_python_path(monkeypatch):
