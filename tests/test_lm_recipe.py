@@ -141,14 +141,16 @@ def test_logger_none_shorthand(tmp_path):
     assert LM.config(tmp_path, "logger=none").logger.kind == "none"
 
 
-@pytest.mark.parametrize("name", ["gpu_8k", "gpu_32k", "gpu_64k"])
+@pytest.mark.parametrize("name", ["gpu_8k", "gpu_32k", "gpu_64k", "bpe_32k"])
 def test_gpu_configs_validate_and_build(name, tmp_path):
-    """Each GPU config validates as written, and its model runs at its full size on a short sequence."""
+    """Each GPU config validates as written, and its model runs at its full size (its vocabulary: bytes, or
+    the 32,768 BPE tokens it asks for) on a short sequence."""
     cfg = load_config(str(LM.configs / f"{name}.yaml"))
-    assert cfg.data.context_length == {"gpu_8k": 8192, "gpu_32k": 32768, "gpu_64k": 65536}[name]
+    assert cfg.data.context_length == {"gpu_8k": 8192, "gpu_32k": 32768, "gpu_64k": 65536, "bpe_32k": 8192}[name]
     assert cfg.train.dtype == "bfloat16" and cfg.train.device == "cuda"
-    model = GPT(**{**dict(cfg.model), "attention": "blocked"})
-    tokens = torch.randint(0, 256, (1, 17))
+    vocab_size = cfg.data.vocab_size if cfg.data.tokenizer == "bpe" else 256
+    model = GPT(**{**dict(cfg.model), "vocab_size": vocab_size, "attention": "blocked"})
+    tokens = torch.randint(0, vocab_size, (1, 17))
     loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
     assert torch.isfinite(loss)
 

@@ -10,12 +10,15 @@ CUDA, gloo on the CPU) and pins each process to GPU ``LOCAL_RANK``. Without thos
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
+T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Context:
@@ -93,6 +96,17 @@ def barrier(ctx: Context) -> None:
     """Wait for every rank (nothing in one process)."""
     if ctx.distributed:
         dist.barrier(device_ids=[ctx.device.index]) if ctx.device.type == "cuda" else dist.barrier()
+
+
+def main_first(fn: Callable[[], T], ctx: Context) -> T:
+    """``fn()`` on rank 0, then on the other ranks once rank 0's call has returned: for work whose result rank 0
+    writes to disk and the others read (a trained tokenizer). In one process, ``fn()``."""
+    if ctx.is_main:
+        result = fn()
+    barrier(ctx)
+    if not ctx.is_main:
+        result = fn()
+    return result
 
 
 def broadcast_module(module: torch.nn.Module, ctx: Context) -> None:

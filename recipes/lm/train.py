@@ -1,7 +1,8 @@
-"""Pretrain a byte-level decoder-only transformer whose attention runs through flashbob.
+"""Pretrain a decoder-only transformer on bytes or on BPE tokens; its attention runs through flashbob.
 
     python -m recipes.lm --config configs/lm/tiny.yaml                       # CPU, a few minutes
     python -m recipes.lm --config configs/lm/gpu_32k.yaml optimizer.name=sophiah
+    python -m recipes.lm --config configs/lm/bpe_32k.yaml                    # 32,768 BPE tokens, context 8K
     python -m recipes.lm --config configs/lm/tiny.yaml --resume auto          # continue the run
 
 Data parallel on N GPUs of one host (or N CPU processes, gloo), with the same configs::
@@ -27,14 +28,15 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
+from recipes.common import bpe, data, distributed, training
 from recipes.common import config as configs
-from recipes.common import data, distributed, training
 from recipes.common.config import ConfigError
 from recipes.common.schedule import build_scheduler
 from recipes.common.training import Autocast, Recipe, StepResult
@@ -45,7 +47,7 @@ from recipes.lm.model import GPT, cross_entropy
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 256  # 256 for bytes; a binary corpus of uint16 ids needs its own vocabulary size
+    vocab_size: Optional[int] = None  # None: the data's (256 bytes, the BPE tokenizer's, a binary file's top id + 1)
     d_model: int = 128  # width of the residual stream
     n_layers: int = 4  # transformer blocks
     n_heads: int = 4  # query heads; head_dim = d_model / n_heads (must be even, for RoPE)
@@ -65,6 +67,9 @@ class DataConfig:
     source: str = "stdlib"  # stdlib (the interpreter's own .py files) | text (glob in path) | binary (file in path)
     path: Optional[str] = None  # glob of text files, or a pre-tokenised binary file
     binary_dtype: str = "uint16"  # uint8 | uint16, token type of a binary file
+    tokenizer: str = "bytes"  # bytes (UTF-8 bytes; a binary file: its ids) | bpe (trained on the corpus, cached)
+    vocab_size: int = 32768  # bpe: tokens of the trained tokenizer (>= 257: the 256 bytes and the separator)
+    cache_dir: Optional[str] = None  # bpe: folder of the trained tokenizer and the token ids; None: <out_dir>/cache
     max_bytes: int = 4_000_000  # cap on the bytes read from stdlib/text sources
     val_fraction: float = 0.05  # share of documents (stdlib/text) or of the tail (binary) held out
     context_length: int = 256  # tokens per training sequence
@@ -117,8 +122,9 @@ CHOICES = {
     "model.attention": (*ATTENTION, *FIRST_ORDER_ATTENTION),
     "data.source": ("stdlib", "text", "binary"),
     "data.binary_dtype": tuple(data.BINARY_DTYPES),
+    "data.tokenizer": ("bytes", "bpe"),
 }
-POSITIVE = ("model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.mlp_ratio",
+POSITIVE = ("model.d_model", "model.n_layers", "model.n_heads", "model.mlp_ratio",
             "data.max_bytes", "data.context_length", "data.batch_size", "optimizer.lr", "train.steps",
             "train.grad_accum_steps", "train.eval_interval", "train.eval_batches")
 NON_NEGATIVE = ("optimizer.weight_decay", "optimizer.grad_clip", "optimizer.warmup_steps",
@@ -135,12 +141,28 @@ def validate(cfg: DictConfig) -> None:
             f"model.n_heads ({m.n_heads}) must be a positive multiple of model.n_kv_heads ({m.n_kv_heads})"
         )
     configs.check_data(cfg.data)
+    check_vocabulary(cfg)
     try:
         optimizer = optimizers.optimizer_class(cfg.optimizer.name)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if optimizers.is_second_order(optimizer) and cfg.train.grad_accum_steps != 1:
         raise ConfigError(f"train.grad_accum_steps must be 1 for the second-order optimizer {cfg.optimizer.name}")
+
+
+def check_vocabulary(cfg: DictConfig) -> None:
+    """``model.vocab_size`` must be positive or None; ``data.tokenizer=bpe`` needs a text source and at least
+    :data:`bpe.MIN_VOCAB_SIZE` tokens."""
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size <= 0:
+        raise ConfigError(f"model.vocab_size must be > 0 or null (the data's vocabulary), got {cfg.model.vocab_size}")
+    if cfg.data.tokenizer != "bpe":
+        return
+    if cfg.data.source == "binary":
+        raise ConfigError("data.tokenizer=bpe trains a tokenizer on text: data.source must be stdlib or text, not "
+                          "binary (a binary file holds token ids already: use data.tokenizer=bytes)")
+    if cfg.data.vocab_size < bpe.MIN_VOCAB_SIZE:
+        raise ConfigError(f"data.vocab_size must be >= {bpe.MIN_VOCAB_SIZE} for data.tokenizer=bpe (the 256 bytes "
+                          f"and the separator), got {cfg.data.vocab_size}")
 
 
 def load_config(path: str | None = None, overrides: list[str] = ()) -> DictConfig:
@@ -165,11 +187,37 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
     return {"train/max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30}
 
 
+def load_tokens(cfg: DictConfig, ctx: distributed.Context) -> tuple[data.Corpus, int]:
+    """The corpus as token ids, and how many ids there are: 256 bytes, the BPE tokenizer's vocabulary
+    (trained by rank 0, or loaded from ``data.cache_dir``, before the other ranks load it), or a
+    binary file's largest id + 1."""
+    d = cfg.data
+    corpus = data.load_corpus(d.source, d.path, d.max_bytes, d.val_fraction, d.binary_dtype)
+    if d.tokenizer == "bpe":
+        cache_dir = d.cache_dir or Path(cfg.out_dir) / "cache"
+        tokens, tokenizer = distributed.main_first(lambda: bpe.tokenized(corpus, d.vocab_size, cache_dir), ctx)
+        return tokens, tokenizer.vocab_size
+    if d.source == "binary":
+        return corpus, 1 + max((int(split.max()) for split in (corpus.train, corpus.val) if len(split)), default=0)
+    return corpus, data.VOCAB_SIZE
+
+
+def resolve_vocab_size(cfg: DictConfig, vocab_size: int) -> None:
+    """Set ``model.vocab_size`` to the data's ``vocab_size`` where it is None (so the run's config.yaml
+    records it); a smaller one is an error."""
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = vocab_size
+    elif cfg.model.vocab_size < vocab_size:
+        raise ConfigError(f"model.vocab_size {cfg.model.vocab_size} is smaller than the data's vocabulary of "
+                          f"{vocab_size} tokens (data.tokenizer={cfg.data.tokenizer}); leave it null for the data's")
+
+
 def build(cfg: DictConfig, device: torch.device, autocast: Autocast, ctx: distributed.Context) -> Recipe:
     """This rank's data windows, the model (a DDP replica for AdamW under ``torchrun``), the optimizer
     and its schedule, and the training step and validation."""
     d, o, t = cfg.data, cfg.optimizer, cfg.train
-    corpus = data.load_corpus(d.source, d.path, d.max_bytes, d.val_fraction, d.binary_dtype)
+    corpus, vocab_size = load_tokens(cfg, ctx)
+    resolve_vocab_size(cfg, vocab_size)
     shard = {"rank": ctx.rank, "world_size": ctx.world_size}
     train_batches = data.Batches(corpus.train, d.context_length, d.batch_size, t.seed, "train", **shard)
     val_batches = data.Batches(corpus.val, d.context_length, d.batch_size, t.seed + 1, "validation", **shard)
