@@ -152,19 +152,9 @@ class _Sophia(_closure.SecondOrderOptimizer):
         if not _closure.all_finite([e for e in estimate if e is not None]):
             _closure.warn_skipped(self._owner, "curvature (Hessian estimate)")
             return loss
-        unclipped: list[Tensor] = []
-
-        def commit(item: tuple, new: tuple[Tensor, ...]) -> None:
-            p, group = item[:2]
-            new_p, m, h = new
-            p.copy_(new_p)
-            self.state[p].update(exp_avg=m, hessian=h)
-            unclipped.append((self._ratio(group, m, h).abs() < 1).sum())
-
-        items = list(zip(params, groups, grads, estimate))
-        if not _closure.apply_if_finite(self._owner, items, lambda item: self._propose(*item), commit):
+        fraction = self._update(params, groups, grads, estimate)
+        if fraction is None:
             return loss
-        fraction = float(torch.stack(unclipped).sum()) / sum(p.numel() for p in params)
         self._global()["step"] = count + 1
         self.stats.update(
             hessian_refreshed=float(self._pending_refresh or any(e is not None for e in estimate)),
@@ -213,21 +203,62 @@ class _Sophia(_closure.SecondOrderOptimizer):
         beta2 = group["betas"][1]
         return torch.add(h * beta2, estimate, alpha=1 - beta2)
 
-    @staticmethod
-    def _ratio(group: dict[str, Any], m: Tensor, h: Tensor) -> Tensor:
-        return m / (group["rho"] * h).clamp(min=group["eps"])
+    def _state(self, params: list[Tensor], key: str) -> list[Tensor]:
+        """Each parameter's state ``key``, zeros where it has none yet."""
+        zeros = torch.zeros_like
+        return [self.state[p][key] if key in self.state[p] else zeros(p, memory_format=torch.preserve_format)
+                for p in params]
+
+    def _update(
+        self, params: list[Tensor], groups: list[dict[str, Any]], grads: tuple[Tensor, ...],
+        estimate: tuple[Tensor | None, ...],
+    ) -> float | None:
+        """Write every parameter's new value, :math:`m` and :math:`h` if all of them are finite; returns the
+        unclipped fraction, or ``None`` after a warning if some value is not (then nothing is written).
+
+        The new values are computed out of place with ``torch._foreach`` ops, a few kernel launches
+        per parameter group (as in torch's AdamW) rather than about a dozen per parameter, so that a
+        step without a refresh costs about an AdamW step; they are all alive until they are written.
+        """
+        members: dict[int, list[int]] = {}
+        for i, group in enumerate(groups):
+            members.setdefault(id(group), []).append(i)
+        ordered, new_params, new_m, new_h, refreshed, steps = [], [], [], [], [], []
+        for indices in members.values():
+            mine, fresh = [params[i] for i in indices], [estimate[i] for i in indices]
+            new, m, h, step = self._propose(groups[indices[0]], mine, [grads[i] for i in indices], fresh)
+            for collected, part in ((ordered, mine), (new_params, new), (new_m, m), (new_h, h), (steps, step)):
+                collected += part
+            refreshed += h if fresh[0] is not None else []
+        if not _closure.all_finite(new_params, new_m, refreshed):
+            _closure.warn_skipped(self._owner, "update (a new parameter or state value)", stacklevel=4)
+            return None
+        torch._foreach_copy_(ordered, new_params)
+        for p, m, h in zip(ordered, new_m, new_h):
+            self.state[p].update(exp_avg=m, hessian=h)
+        unclipped = torch.cat([step.reshape(-1) for step in steps]).abs_().lt(1).sum()
+        return float(unclipped) / sum(p.numel() for p in params)
 
     def _propose(
-        self, p: Tensor, group: dict[str, Any], g: Tensor, estimate: Tensor | None
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """The new parameter, :math:`m` and :math:`h` of one parameter (out of place)."""
-        m = self.state[p].get("exp_avg")
-        m = torch.zeros_like(p, memory_format=torch.preserve_format) if m is None else m
-        beta1 = group["betas"][0]
-        m = torch.add(m * beta1, -g if group["maximize"] else g, alpha=1 - beta1)
-        h = self._hessian(p, group, estimate)
-        step = self._ratio(group, m, h).clamp(-1, 1)
-        return torch.add(p * (1 - group["lr"] * group["weight_decay"]), step, alpha=-group["lr"]), m, h
+        self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], estimate: list[Tensor | None]
+    ) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
+        """One group's new parameters, :math:`m`, :math:`h` (refreshed if the group is due, i.e. has estimates)
+        and clipped steps, out of place."""
+        beta1, beta2 = group["betas"]
+        m = torch._foreach_mul(self._state(params, "exp_avg"), beta1)
+        torch._foreach_add_(m, torch._foreach_neg(grads) if group["maximize"] else grads, alpha=1 - beta1)
+        h = self._state(params, "hessian")
+        if estimate[0] is not None:
+            h = torch._foreach_mul(h, beta2)
+            torch._foreach_add_(h, estimate, alpha=1 - beta2)
+        step = torch._foreach_mul(h, group["rho"])
+        torch._foreach_clamp_min_(step, group["eps"])
+        step = torch._foreach_div(m, step)
+        torch._foreach_clamp_min_(step, -1.0)
+        torch._foreach_clamp_max_(step, 1.0)
+        new = torch._foreach_mul(params, 1 - group["lr"] * group["weight_decay"])
+        torch._foreach_add_(new, step, alpha=-group["lr"])
+        return new, m, h, step
 
     def _refresh(self, params: list[Tensor], groups: list[dict[str, Any]], estimate: tuple[Tensor, ...]) -> None:
         r""":math:`h \leftarrow \beta_2 h + (1 - \beta_2) \hat h` for :meth:`update_hessian`."""
