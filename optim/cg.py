@@ -20,8 +20,12 @@ def _dot(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
 
 
 def _axpy(alpha: Tensor | float, x: Sequence[Tensor], y: Sequence[Tensor]) -> Tensors:
-    """:math:`y + \\alpha x`, out of place."""
-    return tuple(yi + alpha * xi for xi, yi in zip(x, y, strict=True))
+    """:math:`y + \\alpha x`, out of place (``torch._foreach`` ops: two kernel launches, not two per tensor)."""
+    if len(x) != len(y):
+        raise ValueError(f"_axpy: {len(x)} tensors in x, {len(y)} in y")
+    if not x:
+        return ()
+    return tuple(torch._foreach_add(list(y), torch._foreach_mul(list(x), alpha)))
 
 
 @dataclass(frozen=True)
