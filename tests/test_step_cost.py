@@ -13,11 +13,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import hessian
 
-from optim import AdaHessian, NewtonCG, SophiaG, SophiaH, cg
+from optim import AdaHessian, NewtonCG, SophiaG, SophiaH, cg, hvp
+from recipes.common.config import ConfigError
 from recipes.common.transformer import AttentionSwitch, Transformer
 from recipes.lm import optimizers
 from recipes.lm.model import GPT
+from recipes.lm.train import load_config
 from tests.models import MLP
+from tests.runs import LM
 
 DTYPE = torch.float64
 EXACT = dict(adapt_damping=False, backtrack=False, line_search=False, warm_start_decay=0.0, cg_tol=1e-14)
@@ -307,3 +310,20 @@ def test_recipe_runs_sdpa_on_steps_without_curvature_and_matches_flashbob(name):
         # then closure() at the trial points of the search
         assert calls[: 2 * layers] == ["first_order"] * layers + ["twice"] * layers
         assert calls.count("twice") == layers * (1 + iterations) and calls[-1] == "first_order"
+
+
+def test_sdpa_refuses_curvature_outside_the_switch_and_the_recipe_lists_it():
+    """Torch's fused attention is differentiable once: a curvature product through it fails loudly (the recipe
+    switches to flashbob first); model.attention accepts sdpa and names it among the choices."""
+    model = gpt("sdpa")
+    tokens = torch.randint(0, 16, (1, 9))
+    params = list(model.parameters())
+    loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    with pytest.raises(RuntimeError, match="derivative for .*scaled_dot_product.* is not implemented"):
+        hvp(loss, params, [torch.ones_like(p) for p in params])
+    with model.attention.for_curvature():
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        assert all(torch.isfinite(v).all() for v in hvp(loss, params, [torch.ones_like(p) for p in params]))
+    assert load_config(str(LM.configs / "tiny.yaml"), ["model.attention=sdpa"]).model.attention == "sdpa"
+    with pytest.raises(ConfigError, match="model.attention must be one of auto, triton, blocked, eager, sdpa; got"):
+        load_config(str(LM.configs / "tiny.yaml"), ["model.attention=flash"])
