@@ -115,6 +115,13 @@ class NewtonCG(_closure.SecondOrderOptimizer):
         ...     return F.cross_entropy(logits.flatten(0, -2), y.flatten()), logits
         >>> loss = opt.step(closure)   # GGN with the cross-entropy Hessian of the logits
 
+    The products on a quarter of the batch, by forward mode:
+
+        >>> opt = NewtonCG(model.parameters(), curvature_batch=0.25, mode="forward", module=model)
+        >>> def closure(rows=slice(None)):
+        ...     logits = model(x[rows])
+        ...     return F.cross_entropy(logits.flatten(0, -2), y[rows].flatten()), logits
+
     Args:
         params: Parameters or parameter groups. Groups may differ in ``lr`` and ``weight_decay``
             only; the other settings belong to the one joint solve.
