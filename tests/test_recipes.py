@@ -17,7 +17,7 @@ NAME_ERROR = "name must be a relative folder name inside out_dir, without '..'; 
 # The rules of recipes/common, which every recipe applies: overrides, what the error says.
 EVERY_RECIPE = [
     (["model.d_model=30"], "model.d_model (30) must be model.n_heads (4) times an even head_dim"),
-    (["model.attention=flashbob"], "model.attention must be one of auto, triton, blocked, eager; got 'flashbob'"),
+    (["model.attention=flashbob"], "model.attention must be one of auto, triton, blocked, eager"),
     (["model.attention_backend=blocked"], "model.attention_backend is now model.attention (auto, triton or "
                                           "blocked: flashbob's backend; or eager)"),
     (["model.backend=triton"], "model.backend is now part of model.attention (auto, triton or blocked"),
@@ -34,6 +34,9 @@ MISSPELLED_OR_MISTYPED = {"lm": ["model.widht=3"], "meta": ["maml.inner_stesp=3"
 # ... and these values are rejected as the message says: recipe, overrides, what the error says.
 ONE_RECIPE = [
     ("lm", ["data.context_length=0"], "data.context_length must be > 0"),
+    ("lm", ["model.attention=flashbob"], "model.attention must be one of auto, triton, blocked, eager, sdpa; got 'flashbob'"),
+    ("meta", ["model.attention=sdpa"], "model.attention must be one of auto, triton, blocked, eager; got 'sdpa'"),
+    ("ttt", ["model.attention=sdpa"], "model.attention must be one of auto, triton, blocked, eager; got 'sdpa'"),
     ("lm", ["optimizer.name=sgd"], "choose one of adahessian, adamw, newtoncg, sophiag, sophiah"),
     ("lm", ["model.norm=batchnorm"], "model.norm must be one of rmsnorm, layernorm"),
     ("lm", ["data.val_fraction=1.5"], "data.val_fraction must be in (0, 1)"),
