@@ -17,7 +17,6 @@ NAME_ERROR = "name must be a relative folder name inside out_dir, without '..'; 
 # The rules of recipes/common, which every recipe applies: overrides, what the error says.
 EVERY_RECIPE = [
     (["model.d_model=30"], "model.d_model (30) must be model.n_heads (4) times an even head_dim"),
-    (["model.attention=flashbob"], "model.attention must be one of auto, triton, blocked, eager"),
     (["model.attention_backend=blocked"], "model.attention_backend is now model.attention (auto, triton or "
                                           "blocked: flashbob's backend; or eager)"),
     (["model.backend=triton"], "model.backend is now part of model.attention (auto, triton or blocked"),
@@ -28,15 +27,16 @@ EVERY_RECIPE = [
         ("../../up", "../../up"), ("a/../../b", "a/../../b"), ("runs/../..", "runs/../.."), (".", "."),
         ("/tmp/x", "/tmp/x"), ("${oc.env:HOME}", str(Path.home()))]),
 ]
+# The attention each recipe takes: flashbob's backends and eager; the LM recipe also torch SDPA (flashbob on
+# the passes an optimizer differentiates twice).
+ATTENTION_CHOICES = {"lm": "auto, triton, blocked, eager, sdpa", "meta": "auto, triton, blocked, eager",
+                     "ttt": "auto, triton, blocked, eager"}
 # Each recipe's own settings: an unknown key or a value of the wrong type is rejected naming the key ...
 MISSPELLED_OR_MISTYPED = {"lm": ["model.widht=3"], "meta": ["maml.inner_stesp=3", "task.n_way=abc"],
                           "ttt": ["ttt.inner_step=2", "ttt.inner_lr=fast"]}
 # ... and these values are rejected as the message says: recipe, overrides, what the error says.
 ONE_RECIPE = [
     ("lm", ["data.context_length=0"], "data.context_length must be > 0"),
-    ("lm", ["model.attention=flashbob"], "model.attention must be one of auto, triton, blocked, eager, sdpa; got 'flashbob'"),
-    ("meta", ["model.attention=sdpa"], "model.attention must be one of auto, triton, blocked, eager; got 'sdpa'"),
-    ("ttt", ["model.attention=sdpa"], "model.attention must be one of auto, triton, blocked, eager; got 'sdpa'"),
     ("lm", ["optimizer.name=sgd"], "choose one of adahessian, adamw, newtoncg, sophiag, sophiah"),
     ("lm", ["model.norm=batchnorm"], "model.norm must be one of rmsnorm, layernorm"),
     ("lm", ["data.val_fraction=1.5"], "data.val_fraction must be in (0, 1)"),
@@ -58,6 +58,8 @@ BAD_CONFIGS = [
     *((recipe, [setting], repr(setting.split("=")[0])) for recipe, settings in MISSPELLED_OR_MISTYPED.items()
       for setting in settings),
     *((recipe, overrides, message) for recipe in ("lm", "meta", "ttt") for overrides, message in EVERY_RECIPE),
+    *((recipe, [f"model.attention={name}"], f"model.attention must be one of {choices}; got '{name}'")
+      for recipe, choices in ATTENTION_CHOICES.items() for name in ("flashbob", "sdpa") if name not in choices),
 ]
 # Each recipe's resumed run: its steps (cut at half) and settings. The LM's dropout draws from the
 # global generator, so its states must be restored exactly too.
