@@ -1,23 +1,19 @@
-"""Public entry point :func:`attention`: input checks and backend dispatch."""
+"""Public entry point :func:`attention`: input checks (the rules are in :mod:`flashbob.inputs`) and backend
+dispatch."""
 
 from __future__ import annotations
 
 import functools
 import math
-import numbers
 import os
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable
 
 import torch
 
 from flashbob import blocked
 from flashbob.autograd import Attention
-
-BackendName = Literal["auto", "triton", "blocked"]
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-#: CUDA's limit on a grid's second dimension, which the Triton kernels index by ``batch * heads``.
-MAX_GRID_Y = 65535
+from flashbob.inputs import BackendName, check_backend, check_inputs, check_key_mask, check_options
 
 
 @dataclass(frozen=True)
@@ -56,8 +52,7 @@ def select_backend(q: torch.Tensor, backend: BackendName) -> Backend:
     float64 CUDA tensors take the blocked backend under ``auto``: Triton 3.6 fails to compile the
     kernels' float64 matrix products for Hopper (seen on an H200), so ``triton`` refuses them.
     """
-    if backend not in ("auto", "triton", "blocked"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'blocked', got {backend!r}")
+    check_backend(backend)
     if backend == "blocked" or (backend == "auto" and (not q.is_cuda or q.dtype == torch.float64)):
         return BLOCKED
     if q.is_cuda and q.dtype == torch.float64:
@@ -68,100 +63,6 @@ def select_backend(q: torch.Tensor, backend: BackendName) -> Backend:
             "before triton is imported to run the kernels in Triton's interpreter"
         )
     return _triton_backend(allow_tf32=torch.get_float32_matmul_precision() != "highest")
-
-
-def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Raise a ValueError/TypeError naming the offending argument for anything malformed."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 4:
-            raise ValueError(f"{name} must have 4 dimensions (batch, heads, seq, head_dim), got shape {tuple(x.shape)}")
-        if x.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
-        if x.shape[2] == 0:
-            raise ValueError(f"{name} has sequence length 0; flashbob.attention needs at least 1")
-        if x.shape[1] == 0:
-            raise ValueError(f"{name} has 0 heads; flashbob.attention needs at least 1")
-        if x.shape[3] == 0:
-            raise ValueError(f"{name} has head_dim 0; flashbob.attention needs at least 1")
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name}.dtype ({x.dtype}) must match q.dtype ({q.dtype})")
-        if x.device != q.device:
-            raise ValueError(f"{name} is on {x.device} but q is on {q.device}; all inputs must be on one device")
-        if x.shape[0] != q.shape[0]:
-            raise ValueError(f"{name} has batch size {x.shape[0]} but q has {q.shape[0]}")
-        if x.shape[3] != q.shape[3]:
-            raise ValueError(f"{name} has head_dim {x.shape[3]} but q has {q.shape[3]}")
-    if v.shape[1:3] != k.shape[1:3]:
-        raise ValueError(f"v must have k's heads and length {tuple(k.shape[1:3])}, got {tuple(v.shape[1:3])}")
-    if q.shape[1] % k.shape[1] != 0:
-        raise ValueError(
-            f"q's {q.shape[1]} heads must be a multiple of k's and v's {k.shape[1]} heads (grouped-query attention)"
-        )
-
-
-def check_options(causal: bool, scale: float | None) -> None:
-    """Raise a TypeError/ValueError for a ``causal`` that is not a bool or a ``scale`` that is not a finite number.
-
-    A non-bool ``causal`` (say the string ``"no"``, or a mask tensor) would otherwise be read as its
-    truth value. ``scale`` must be a plain number: gradients with respect to it are not computed, so a
-    tensor that requires grad would silently lose them. Zero and negative scales are valid (uniform
-    and reversed attention) and are computed exactly.
-    """
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r:.40}")
-    if scale is None:
-        return
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__} {scale!r:.40}")
-    try:
-        finite = math.isfinite(scale)
-    except OverflowError:  # an int (or Fraction) beyond float's range, e.g. 10**400
-        too_large = f"a value too large for a float ({type(scale).__name__})"
-        raise ValueError(f"scale must be a finite number, got {too_large}") from None
-    if not finite:
-        raise ValueError(f"scale must be a finite number, got {scale}")
-
-
-def check_key_mask(key_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
-    """Validate a key-padding mask and return it as a contiguous ``(batch, M)`` bool tensor (or None).
-
-    Accepted: a bool tensor broadcastable to ``(batch, M)`` (True = the key takes part).
-    """
-    if key_mask is None:
-        return None
-    if not isinstance(key_mask, torch.Tensor):
-        raise TypeError(f"key_mask must be a bool torch.Tensor or None, got {type(key_mask).__name__}")
-    if key_mask.dtype != torch.bool:
-        raise TypeError(f"key_mask must be a bool tensor (True = keep the key), got {key_mask.dtype}")
-    batch, m = q.shape[0], k.shape[2]
-    try:
-        fits = key_mask.dim() <= 2 and torch.broadcast_shapes(key_mask.shape, (batch, m)) == (batch, m)
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise ValueError(f"key_mask must broadcast to (batch, M) = {(batch, m)}, got shape {tuple(key_mask.shape)}")
-    if key_mask.device != q.device:
-        raise ValueError(f"key_mask is on {key_mask.device} but q is on {q.device}")
-    return key_mask.expand(batch, m).contiguous()
-
-
-def check_triton_limits(q: torch.Tensor, k: torch.Tensor) -> None:
-    """Raise a ValueError for shapes the Triton kernels cannot launch, naming the blocked backend as a way out."""
-    from flashbob.kernels.common import MAX_HEAD_DIM
-
-    if q.shape[3] > MAX_HEAD_DIM:
-        raise ValueError(
-            f"head_dim {q.shape[3]} is larger than the Triton kernels' {MAX_HEAD_DIM}; use backend='blocked'"
-        )
-    for name, x in (("q", q), ("k", k)):
-        if x.shape[0] * x.shape[1] > MAX_GRID_Y:
-            raise ValueError(
-                f"{name}'s batch * heads = {x.shape[0] * x.shape[1]} is more than the {MAX_GRID_Y} programs the "
-                "Triton kernels can launch along one grid axis; split the batch into chunks, or use backend='blocked'"
-            )
 
 
 def attention(
@@ -210,8 +111,5 @@ def attention(
     key_mask = check_key_mask(key_mask, q, k)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    chosen = select_backend(q, backend)
-    if chosen.name == "triton":
-        check_triton_limits(q, k)
-    o, _stats = Attention.apply(q, k, v, key_mask, causal, float(scale), chosen)
+    o, _stats = Attention.apply(q, k, v, key_mask, causal, float(scale), select_backend(q, backend))
     return o

@@ -15,7 +15,8 @@ formulas; the names are:
 
 Grouped-query attention is handled by viewing the query heads as ``(kv_heads, group)`` and
 broadcasting keys and values over the group axis; gradients of keys and values sum over it.
-Arithmetic is in float32 (float64 for float64 inputs); results are cast back to the input dtype.
+Arithmetic is in the accumulator dtype (float32, float64 for float64 inputs:
+:func:`flashbob.inputs.accumulator_dtype`); results are cast back to the input dtype.
 
 Every pass normalises ``P`` by its own row sums ``σ = rowsum(exp(S - lse))`` (1 up to the rounding
 of ``lse``) instead of trusting ``exp(S - lse)`` to sum to one: when scores are large (``|S| ~ 1e4``
@@ -33,6 +34,8 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
+from flashbob.inputs import accumulator_dtype
+
 #: Largest number of score-matrix elements (summed over batch and heads) one panel may hold.
 PANEL_ELEMENTS = 1 << 22
 
@@ -42,10 +45,6 @@ def panel_size(rows: int, row_length: int, batch_heads: int, block: int | None =
     if block is None:
         block = PANEL_ELEMENTS // max(1, row_length * batch_heads)
     return max(1, min(rows, block))
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _grouped(x: torch.Tensor | None, kv_heads: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -113,7 +112,7 @@ def _panels(length: int, size: int):
 def forward(q, k, v, *, causal: bool, scale: float, block: int | None = None, key_mask=None):
     """Attention output ``O = softmax(S) V`` and ``lse = logsumexp_row(S)``, one row panel at a time
     (``lse = +inf`` and ``O = 0`` for rows that see no key)."""
-    dtype = _compute_dtype(q)
+    dtype = accumulator_dtype(q.dtype)
     key_mask = _key_mask(key_mask, q)
     kv_heads, n, m = k.shape[1], q.shape[2], k.shape[2]
     qg, kg, vg = _grouped(q, kv_heads, dtype), _kv(k, dtype), _kv(v, dtype)
@@ -132,7 +131,7 @@ def forward(q, k, v, *, causal: bool, scale: float, block: int | None = None, ke
 
 def backward(q, k, v, o, lse, do, *, causal: bool, scale: float, block: int | None = None, key_mask=None):
     """First backward ``(dQ, dK, dV, Δ)``: ``dV = Pᵀ dO``, ``dQ = τ dS K``, ``dK = τ dSᵀ Q``."""
-    dtype = _compute_dtype(q)
+    dtype = accumulator_dtype(q.dtype)
     key_mask = _key_mask(key_mask, q)
     kv_heads, n, m = k.shape[1], q.shape[2], k.shape[2]
     qg, kg, vg = _grouped(q, kv_heads, dtype), _kv(k, dtype), _kv(v, dtype)
@@ -220,7 +219,7 @@ def bob(
     """
     if dq_bar is None and dk_bar is None and dv_bar is None:
         return tuple(torch.zeros_like(x) for x in (q, k, v, do))
-    dtype = _compute_dtype(q)
+    dtype = accumulator_dtype(q.dtype)
     kv_heads, n, m = k.shape[1], q.shape[2], k.shape[2]
     t = {
         "q": _grouped(q, kv_heads, dtype), "do": _grouped(do, kv_heads, dtype),
@@ -279,7 +278,7 @@ def _part(x, index: slice):
 
 def _tangent_inputs(q, k, v, lse, q_dot, k_dot, v_dot, key_mask) -> dict:
     """The grouped compute-dtype operands shared by both JVPs (see :func:`_grouped`, :func:`_kv`)."""
-    dtype, kv_heads = _compute_dtype(q), k.shape[1]
+    dtype, kv_heads = accumulator_dtype(q.dtype), k.shape[1]
     return {
         "q": _grouped(q, kv_heads, dtype), "q_dot": _grouped(q_dot, kv_heads, dtype),
         "lse": _grouped(lse, kv_heads, dtype),
@@ -371,7 +370,7 @@ def backward_jvp(
     """
     if q_dot is None and k_dot is None and v_dot is None and do_dot is None:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dtype, kv_heads, n, m = _compute_dtype(q), k.shape[1], q.shape[2], k.shape[2]
+    dtype, kv_heads, n, m = accumulator_dtype(q.dtype), k.shape[1], q.shape[2], k.shape[2]
     t = _tangent_inputs(q, k, v, lse, q_dot, k_dot, v_dot, key_mask)
     t.update(
         do=_grouped(do, kv_heads, dtype), do_dot=_grouped(do_dot, kv_heads, dtype),

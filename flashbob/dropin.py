@@ -13,9 +13,9 @@ no ``L x S`` tensor) whenever the request is one the backends handle:
 
 Anything else (arbitrary dense masks, per-query masks, additive float biases, ``dropout_p > 0``, a
 value head_dim different from the query's, empty sequences) goes to an **exact fallback**: naive
-materialising attention built from PyTorch ops, twice differentiable through autograd, which warns
-once per reason (:class:`FallbackWarning`). In strict mode (:func:`set_strict`, or the environment
-variable ``FLASHBOB_STRICT=1``) the fallback raises :class:`FallbackError` instead.
+materialising attention (:func:`flashbob.reference.attention`), twice differentiable through autograd,
+which warns once per reason (:class:`FallbackWarning`). In strict mode (:func:`set_strict`, or the
+environment variable ``FLASHBOB_STRICT=1``) the fallback raises :class:`FallbackError` instead.
 
 A float mask is only read as a key-padding mask when its values may be read and it carries no
 derivative: a mask that requires grad (a learnable bias, even one initialised to zeros), one inside a
@@ -40,17 +40,16 @@ through :func:`torch.nn.functional.multi_head_attention_forward`) gain exact dou
 from __future__ import annotations
 
 import contextlib
-import math
-import numbers
 import os
 import warnings
-from typing import get_args
 
 import torch
 import torch.nn.functional as F
 from einops import pack, unpack
 
-from flashbob.attention import SUPPORTED_DTYPES, BackendName, attention, check_options
+from flashbob import reference
+from flashbob.attention import attention
+from flashbob.inputs import check_sdpa_arguments
 
 __all__ = ["sdpa", "patch_sdpa", "set_strict", "is_strict", "FallbackWarning", "FallbackError"]
 
@@ -103,133 +102,17 @@ def _fallback(reason: str) -> None:
 
 
 def naive_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """SDPA's math, materialised, differentiable any number of times through autograd.
+    """The exact fallback: :func:`flashbob.reference.attention` (SDPA's math, materialised,
+    differentiable any number of times through autograd) called with SDPA's arguments.
 
-    Boolean masks: True = attend; rows that attend to nothing give zero output (and gradients).
-    Float masks are added to the scores (in the scores' dtype, as SDPA). GQA repeats the kv heads
-    (dimension -3).
+    Boolean masks: True = attend; rows that attend to nothing give zero output (and gradients). Float
+    masks are added to the scores (in the scores' dtype, as SDPA). The kv heads (dimension -3) are
+    repeated when their number differs from the query's, which
+    :func:`~flashbob.inputs.check_sdpa_arguments` allows only with ``enable_gqa``.
     """
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    if enable_gqa and key.shape[-3] != query.shape[-3]:
-        key = key.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)
-        value = value.repeat_interleave(query.shape[-3] // value.shape[-3], dim=-3)
-    scores = scale * query @ key.transpose(-2, -1)
-    keep = None
-    if is_causal:
-        keep = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            keep = attn_mask if keep is None else keep & attn_mask
-        else:
-            scores = (scores + attn_mask).to(scores.dtype)
-    if keep is None:
-        weights = torch.softmax(scores, dim=-1)
-    else:
-        keep = keep.expand(scores.shape)
-        any_key = keep.any(-1, keepdim=True)
-        scores = scores.masked_fill(~keep, float("-inf")).masked_fill(~any_key, 0.0)
-        weights = torch.softmax(scores, dim=-1) * any_key
-    if dropout_p > 0:
-        weights = F.dropout(weights, p=dropout_p)
-    return weights @ value
-
-
-def _check_tensors(query, key, value, enable_gqa) -> None:
-    """Raise for query/key/value that SDPA rejects; the message names the argument."""
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() < 2:
-            raise ValueError(f"{name} must have at least 2 dimensions (..., L, E), got shape {tuple(x.shape)}")
-    if query.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"query must be float16, bfloat16, float32 or float64, got {query.dtype}")
-    for name, x in (("key", key), ("value", value)):
-        if x.dtype != query.dtype:
-            raise TypeError(f"{name}.dtype ({x.dtype}) must match query.dtype ({query.dtype})")
-        if x.device != query.device:
-            raise ValueError(f"{name} is on {x.device} but query is on {query.device}")
-    if key.shape[-1] != query.shape[-1]:
-        raise ValueError(f"key has head_dim {key.shape[-1]} but query has {query.shape[-1]}")
-    if value.shape[:-1] != key.shape[:-1]:
-        raise ValueError(
-            f"value must have key's shape {tuple(key.shape[:-1])} in all but the last dimension, "
-            f"got {tuple(value.shape)}"
-        )
-    if not isinstance(enable_gqa, bool):
-        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
-    heads, kv_heads = (query.shape[-3] if query.dim() > 2 else 1), (key.shape[-3] if key.dim() > 2 else 1)
-    if heads != kv_heads:
-        if not enable_gqa:
-            raise RuntimeError(
-                f"query has {heads} heads but key has {kv_heads}: pass enable_gqa=True for grouped-query attention"
-            )
-        if kv_heads == 0 or heads % kv_heads != 0:
-            raise RuntimeError(f"the number of heads of key and value ({kv_heads}) must divide query's ({heads})")
-
-
-def _scores_shape(query: torch.Tensor, key: torch.Tensor) -> torch.Size:
-    """``(..., heads, L, S)``, the shape of the attention scores (what ``attn_mask`` must broadcast to).
-
-    The kv heads (dimension -3 of ``key``) count as 1: grouped-query attention repeats them.
-    """
-    key_lead = (*key.shape[:-3], 1) if key.dim() > 2 else ()
-    try:
-        lead = torch.broadcast_shapes(query.shape[:-2], key_lead)
-    except RuntimeError:
-        raise ValueError(
-            f"the batch dimensions of query {tuple(query.shape)} and key {tuple(key.shape)} do not broadcast"
-        ) from None
-    return torch.Size((*lead, query.shape[-2], key.shape[-2]))
-
-
-def _check_mask(attn_mask, query: torch.Tensor, shape: torch.Size) -> None:
-    """Raise for an ``attn_mask`` SDPA rejects: not a tensor, a dtype other than bool, float32 or the
-    query's (an integer 0/1 mask would otherwise be added to the scores as a bias), another device,
-    or a shape that does not broadcast to the scores' ``shape``."""
-    if attn_mask is None:
-        return
-    if not isinstance(attn_mask, torch.Tensor):
-        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
-    float_dtypes = tuple(dict.fromkeys((query.dtype, torch.float32)))  # torch 2.13's SDPA accepts these
-    if attn_mask.dtype != torch.bool and attn_mask.dtype not in float_dtypes:
-        raise TypeError(
-            f"attn_mask must be a bool mask (True = attend) or an additive float mask of dtype "
-            f"{' or '.join(map(str, float_dtypes))}, got {attn_mask.dtype}; for a 0/1 padding mask (1 = attend, "
-            "as Hugging Face's attention_mask) pass attn_mask.bool()"
-        )
-    if attn_mask.device != query.device:
-        raise ValueError(f"attn_mask is on {attn_mask.device} but query is on {query.device}")
-    try:
-        fits = torch.broadcast_shapes(attn_mask.shape, shape) == shape
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise ValueError(
-            f"attn_mask of shape {tuple(attn_mask.shape)} must broadcast to the scores' shape (..., L, S) = "
-            f"{tuple(shape)}"
-        )
-
-
-def _check_dropout(dropout_p) -> None:
-    """Raise unless ``dropout_p`` is a number in ``[0, 1]`` (NaN is not)."""
-    if not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p must be a number in [0, 1], got {type(dropout_p).__name__} {dropout_p!r:.40}")
-    if not 0 <= dropout_p <= 1:
-        raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p!r:.40}")
-
-
-def check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend) -> None:
-    """Raise a TypeError/ValueError (RuntimeError for head counts, as SDPA) naming the argument for
-    anything SDPA rejects or :func:`sdpa` would misread. :func:`sdpa` calls it before choosing a path,
-    so that no :class:`FallbackWarning` comes ahead of an error."""
-    _check_tensors(query, key, value, enable_gqa)
-    _check_mask(attn_mask, query, _scores_shape(query, key))
-    _check_dropout(dropout_p)
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
-    check_options(is_causal, scale)
-    if backend not in get_args(BackendName):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'blocked', got {backend!r}")
+    return reference.attention(
+        query, key, value, causal=is_causal, scale=scale, attn_mask=attn_mask, dropout_p=dropout_p
+    )
 
 
 def _opaque_mask_reason(mask: torch.Tensor) -> str | None:
@@ -291,8 +174,7 @@ def key_mask_of(mask: torch.Tensor, batch: int, heads: int, n: int, m: int) -> t
     if mask.shape[2] == 1:
         return mask[:, 0, 0, :].contiguous(), False
     keys = mask[:, 0, -1, :]  # the last query sees every kept key that causality allows
-    causal = torch.ones(n, m, dtype=torch.bool, device=mask.device).tril()
-    if torch.equal(mask[:, 0], causal & keys[:, None, :]):
+    if torch.equal(mask[:, 0], reference.causal_mask(n, m, mask.device) & keys[:, None, :]):
         return keys.contiguous(), True
     if torch.equal(mask[:, 0], keys[:, None, :].expand(-1, n, -1)):
         return keys.contiguous(), False
@@ -317,11 +199,12 @@ def sdpa(
     backends and what on the exact fallback); ``backend`` is passed to :func:`flashbob.attention`.
 
     Raises:
-        TypeError, ValueError: a malformed argument (:func:`check_arguments`), named in the message.
+        TypeError, ValueError: a malformed argument (:func:`~flashbob.inputs.check_sdpa_arguments`), named in
+            the message.
         RuntimeError: head counts that do not fit (as SDPA).
         FallbackError: in strict mode, a request that would take the exact fallback.
     """
-    check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
+    check_sdpa_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     reason = _fallback_reason(query, key, value, attn_mask, dropout_p)
     if reason is not None:

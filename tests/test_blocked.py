@@ -26,6 +26,7 @@ def test_forward_and_backward(gen, causal, heads, kv_heads, n, m, block):
     scale = 0.37
     o, lse = blocked.forward(q, k, v, causal=causal, scale=scale, block=block)
     assert_matches(o, reference.attention(q, k, v, causal=causal, scale=scale), 1e-13, "o")
+    assert_matches(lse, reference.log_sum_exp(q, k, causal=causal, scale=scale), 1e-13, "lse")
     dq, dk, dv, delta = blocked.backward(q, k, v, o, lse, do, causal=causal, scale=scale, block=block)
     for name, got, want in zip("qkv", (dq, dk, dv), reference.attention_backward(q, k, v, do, causal=causal, scale=scale)):
         assert_matches(got, want, 1e-13, f"d{name}")

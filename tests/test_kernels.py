@@ -78,13 +78,11 @@ def run_reference(inputs, cotangents, *, causal, scale, dtype=torch.float64):
     """The same ten outputs from the naive autograd oracle, computed in ``dtype``."""
     q, k, v, do = (inputs[name].to(dtype) for name in ("q", "k", "v", "do"))
     o = reference.attention(q, k, v, causal=causal, scale=scale)
-    scores = scale * q @ reference.expand_kv(k, q.shape[1]).transpose(-1, -2)
-    if causal:
-        scores = scores.masked_fill(~reference.causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    lse = reference.log_sum_exp(q, k, causal=causal, scale=scale)
     dq, dk, dv = reference.attention_backward(q, k, v, do, causal=causal, scale=scale)
     bars = [inputs[name].to(dtype) if name in cotangents else None for name in COTANGENTS]
     outs = reference.backward_over_backward(q, k, v, do, *bars, causal=causal, scale=scale)
-    values = (o, torch.logsumexp(scores, -1), dq, dk, dv, (do * o).sum(-1), *outs)
+    values = (o, lse, dq, dk, dv, (do * o).sum(-1), *outs)
     return dict(zip(FORWARD + BACKWARD + BOB, values))
 
 
@@ -231,7 +229,7 @@ def test_rejects_bad_shapes():
     with pytest.raises(ValueError, match="head_dim"):
         kernels.forward(q, k, k, causal=False, scale=1.0)
     q, k = torch.zeros(1, 3, 4, 16), torch.zeros(1, 2, 4, 16)
-    with pytest.raises(ValueError, match="kv_heads"):
+    with pytest.raises(ValueError, match="q's 3 heads must be a multiple of k's and v's 2 heads"):
         kernels.forward(q, k, k, causal=False, scale=1.0)
 
 
