@@ -6,34 +6,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import configs
-from .common import (
-    LOG2E,
-    check_qkv,
-    column_block_masked_end,
-    dot_precision,
-    head_dim_block,
-    head_pointer,
-    key_mask_operand,
-    key_mask_pointer,
-    load_softmax_stats,
-    load_tile,
-    operand,
-    probabilities,
-    probabilities_transposed,
-    query_block,
-    row_block_key_ranges,
-    row_vector_pointer,
-    softmax_stats,
-    softmax_stats_pointer,
-    store_tile,
-    strides,
-)
+from . import common, configs
 
 
 @triton.jit
 def _delta_kernel(
-    O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don, heads, N,
+    O, DO, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don, DELTA, heads, N,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     r""":math:`\Delta_i = dO_i \cdot O_i` (:math:`= \sum_j P_{ij}\, dP_{ij}`) for one query block (no key
@@ -41,11 +19,13 @@ def _delta_kernel(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     batch_head = tl.program_id(1)
     batch, head = batch_head // heads, batch_head % heads
-    o = load_tile(head_pointer(O, batch, head, stride_ob, stride_oh), rows, N, stride_on, HEAD_DIM, BLOCK_D)
-    do = load_tile(head_pointer(DO, batch, head, stride_dob, stride_doh), rows, N, stride_don, HEAD_DIM, BLOCK_D)
+    o = common.load_tile(common.head_pointer(O, batch, head, stride_ob, stride_oh), rows, N, stride_on, HEAD_DIM,
+                         BLOCK_D)
+    do = common.load_tile(common.head_pointer(DO, batch, head, stride_dob, stride_doh), rows, N, stride_don, HEAD_DIM,
+                          BLOCK_D)
     acc_dtype = DELTA.dtype.element_ty
     delta = tl.sum(o.to(acc_dtype) * do.to(acc_dtype), 1)
-    tl.store(row_vector_pointer(DELTA, batch_head, N) + rows, delta, mask=rows < N)
+    common.store_rows(common.row_vector_pointer(DELTA, batch_head, N), delta, rows, N)
 
 
 @triton.jit
@@ -60,12 +40,12 @@ def _dkdv_inner(
     :math:`dS = P \circ (dO V^\top - \Delta)`; tiles are kept transposed (keys by queries)."""
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
-        q = load_tile(q_base, rows, N, stride_qn, HEAD_DIM, BLOCK_D)
-        do = load_tile(do_base, rows, N, stride_don, HEAD_DIM, BLOCK_D)
-        row_max, log_sum = load_softmax_stats(stats_base, rows, N)
-        delta = tl.load(delta_base + rows, mask=rows < N, other=0.0)
-        p_t = probabilities_transposed(k, q, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
-                                       MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
+        q = common.load_tile(q_base, rows, N, stride_qn, HEAD_DIM, BLOCK_D)
+        do = common.load_tile(do_base, rows, N, stride_don, HEAD_DIM, BLOCK_D)
+        row_max, log_sum = common.load_softmax_stats(stats_base, rows, N)
+        delta = common.load_rows(delta_base, rows, N)
+        p_t = common.probabilities_transposed(k, q, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
+                                              MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -75,10 +55,11 @@ def _dkdv_inner(
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, STATS, DELTA, DK, DV,
+    Q, K, V, DO,
+    DK, DV,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-    heads, kv_heads, group, N, M, qk_scale, scale, KEY_MASK,
+    STATS, DELTA, KEY_MASK, heads, kv_heads, group, N, M, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
@@ -88,24 +69,19 @@ def _dkdv_kernel(
     Causal: queries before the block see none of it and are skipped; the queries in
     ``[start_n, start_n + BLOCK_N)`` (rounded up to whole query blocks) are masked; later ones see it all.
     """
-    start_n = tl.program_id(0) * BLOCK_N
-    batch_kv_head = tl.program_id(1)
-    batch, kv_head = batch_kv_head // kv_heads, batch_kv_head % kv_heads
-    keys = start_n + tl.arange(0, BLOCK_N)
-    key_mask_base = key_mask_pointer(KEY_MASK, batch, M)
-    k = load_tile(head_pointer(K, batch, kv_head, stride_kb, stride_kh), keys, M, stride_kn, HEAD_DIM, BLOCK_D)
-    v = load_tile(head_pointer(V, batch, kv_head, stride_vb, stride_vh), keys, M, stride_vn, HEAD_DIM, BLOCK_D)
+    start_n, keys, batch, kv_head, key_mask_base = common.key_block(kv_heads, KEY_MASK, M, BLOCK_N)
     acc_dtype = DELTA.dtype.element_ty
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
+    k = common.load_tile(common.head_pointer(K, batch, kv_head, stride_kb, stride_kh), keys, M, stride_kn, HEAD_DIM,
+                         BLOCK_D)
+    v = common.load_tile(common.head_pointer(V, batch, kv_head, stride_vb, stride_vh), keys, M, stride_vn, HEAD_DIM,
+                         BLOCK_D)
 
-    masked_end = column_block_masked_end(start_n, N, BLOCK_M, BLOCK_N, CAUSAL)
+    masked_end = common.column_block_masked_end(start_n, N, BLOCK_M, BLOCK_N, CAUSAL)
     for member in range(group):
-        head = kv_head * group + member
-        q_base = head_pointer(Q, batch, head, stride_qb, stride_qh)
-        do_base = head_pointer(DO, batch, head, stride_dob, stride_doh)
-        stats_base = softmax_stats_pointer(STATS, batch * heads + head, N)
-        delta_base = row_vector_pointer(DELTA, batch * heads + head, N)
+        _, _, q_base, do_base, stats_base, delta_base = common.group_query_head(
+            Q, DO, STATS, DELTA, batch, heads, kv_head, group, member, N, stride_qb, stride_qh, stride_dob, stride_doh)
         if CAUSAL:
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, do_base, stats_base, delta_base, stride_qn, stride_don, keys, start_n,
@@ -116,25 +92,25 @@ def _dkdv_kernel(
             qk_scale, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, False, PRECISION, HAS_KEY_MASK,
         )
 
-    dk_base = head_pointer(DK, batch, kv_head, stride_dkb, stride_dkh)
-    store_tile(dk_base, dk * scale, keys, M, stride_dkn, HEAD_DIM, BLOCK_D)
-    dv_base = head_pointer(DV, batch, kv_head, stride_dvb, stride_dvh)
-    store_tile(dv_base, dv, keys, M, stride_dvn, HEAD_DIM, BLOCK_D)
+    dk_base = common.head_pointer(DK, batch, kv_head, stride_dkb, stride_dkh)
+    common.store_tile(dk_base, dk * scale, keys, M, stride_dkn, HEAD_DIM, BLOCK_D)
+    dv_base = common.head_pointer(DV, batch, kv_head, stride_dvb, stride_dvh)
+    common.store_tile(dv_base, dv, keys, M, stride_dvn, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
 def _dq_inner(
-    dq, q, do, row_max, log_sum, delta, k_base, v_base, stride_kn, stride_vn, rows, start, end, M, qk_scale, key_mask_base,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr,
+    dq, q, do, row_max, log_sum, delta, k_base, v_base, stride_kn, stride_vn, rows, start, end, M, qk_scale,
+    key_mask_base, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
     r"""Add key blocks ``[start, end)`` to a query block's :math:`dQ_i / \tau = \sum_j dS_{ij} K_j`."""
     for start_n in range(start, end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
-        k = load_tile(k_base, keys, M, stride_kn, HEAD_DIM, BLOCK_D)
-        v = load_tile(v_base, keys, M, stride_vn, HEAD_DIM, BLOCK_D)
-        p = probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
-                          MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
+        k = common.load_tile(k_base, keys, M, stride_kn, HEAD_DIM, BLOCK_D)
+        v = common.load_tile(v_base, keys, M, stride_vn, HEAD_DIM, BLOCK_D)
+        p = common.probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
+                                 MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
@@ -143,37 +119,39 @@ def _dq_inner(
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, STATS, DELTA, DQ,
+    Q, K, V, DO,
+    DQ,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
-    heads, group, N, M, qk_scale, scale, KEY_MASK,
+    STATS, DELTA, KEY_MASK, heads, group, N, M, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
     r""":math:`dQ = \tau\, dS K` of one query block, key blocks split as in the forward."""
-    start_m, rows, batch_head, batch, head, kv_head = query_block(heads, group, BLOCK_M)
-    k_base = head_pointer(K, batch, kv_head, stride_kb, stride_kh)
-    v_base = head_pointer(V, batch, kv_head, stride_vb, stride_vh)
-    key_mask_base = key_mask_pointer(KEY_MASK, batch, M)
+    start_m, rows, batch_head, batch, head, kv_head, key_mask_base = common.query_block(heads, group, KEY_MASK, M, BLOCK_M)
+    k_base = common.head_pointer(K, batch, kv_head, stride_kb, stride_kh)
+    v_base = common.head_pointer(V, batch, kv_head, stride_vb, stride_vh)
 
-    q = load_tile(head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM, BLOCK_D)
-    do = load_tile(head_pointer(DO, batch, head, stride_dob, stride_doh), rows, N, stride_don, HEAD_DIM, BLOCK_D)
-    row_max, log_sum = load_softmax_stats(softmax_stats_pointer(STATS, batch_head, N), rows, N)
-    delta = tl.load(row_vector_pointer(DELTA, batch_head, N) + rows, mask=rows < N, other=0.0)
+    q = common.load_tile(common.head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM,
+                         BLOCK_D)
+    do = common.load_tile(common.head_pointer(DO, batch, head, stride_dob, stride_doh), rows, N, stride_don, HEAD_DIM,
+                          BLOCK_D)
+    row_max, log_sum = common.load_softmax_stats(common.softmax_stats_pointer(STATS, batch_head, N), rows, N)
+    delta = common.load_rows(common.row_vector_pointer(DELTA, batch_head, N), rows, N)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=DELTA.dtype.element_ty)
 
-    unmasked_end, end = row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
+    unmasked_end, end = common.row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
     dq = _dq_inner(
         dq, q, do, row_max, log_sum, delta, k_base, v_base, stride_kn, stride_vn, rows, 0, unmasked_end, M, qk_scale,
         key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION, HAS_KEY_MASK,
     )
     if CAUSAL:
         dq = _dq_inner(
-            dq, q, do, row_max, log_sum, delta, k_base, v_base, stride_kn, stride_vn, rows, unmasked_end, end, M, qk_scale,
-            key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, HAS_KEY_MASK,
+            dq, q, do, row_max, log_sum, delta, k_base, v_base, stride_kn, stride_vn, rows, unmasked_end, end, M,
+            qk_scale, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, HAS_KEY_MASK,
         )
-    dq_base = head_pointer(DQ, batch, head, stride_dqb, stride_dqh)
-    store_tile(dq_base, dq * scale, rows, N, stride_dqn, HEAD_DIM, BLOCK_D)
+    dq_base = common.head_pointer(DQ, batch, head, stride_dqb, stride_dqh)
+    common.store_tile(dq_base, dq * scale, rows, N, stride_dqn, HEAD_DIM, BLOCK_D)
 
 
 def backward(
@@ -195,36 +173,28 @@ def backward(
         ``dq`` like ``q``; ``dk``, ``dv`` like ``k``, ``v`` (summed over the query heads of each kv
         group); ``delta`` ``(B, H, N)`` in the dtype of ``stats`` (float32, float64 for float64 inputs).
     """
-    check_qkv(q, k, v)
-    if o.shape != q.shape or do.shape != q.shape:
-        raise ValueError(f"o and do must be shaped like q {tuple(q.shape)}; got {tuple(o.shape)}, {tuple(do.shape)}")
-    key_mask, has_key_mask = key_mask_operand(key_mask, q, k)
-    q, k, v, o, do = (operand(x, q) for x in (q, k, v, o, do))
+    common.check_qkv(q, k, v)
+    common.check_shaped_like(("o", o, q), ("do", do, q))
+    key_mask, has_key_mask = common.key_mask_operand(key_mask, q, k)
+    q, k, v, o, do = (common.operand(x, q) for x in (q, k, v, o, do))
     batch, heads, n, head_dim = q.shape
     kv_heads, m = k.shape[1], k.shape[2]
-    stats = softmax_stats(stats, q)
+    stats = common.softmax_stats(stats, q)
     delta = torch.empty(q.shape[:3], dtype=stats.dtype, device=q.device)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    shape = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim))
-    precision = dot_precision(q.dtype, allow_tf32)
-    qk_scale = scale * LOG2E.value
+    constants = common.kernel_constants(q, causal, allow_tf32, has_key_mask)
+    scalars = (heads // kv_heads, n, m, scale * common.LOG2E.value, scale)
 
     configs.launch(
-        "delta", _delta_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads),
-        o, do, delta, *strides(o), *strides(do), heads, n, head_dim=head_dim, dtype=q.dtype, length=n, **shape,
+        "delta", _delta_kernel, common.row_grid(n, batch * heads), *common.with_strides(o, do), delta, heads, n,
+        head_dim=head_dim, dtype=q.dtype, length=n, HEAD_DIM=head_dim, BLOCK_D=constants["BLOCK_D"],
     )
     configs.launch(
-        "dkdv", _dkdv_kernel, lambda meta: (triton.cdiv(m, meta["BLOCK_N"]), batch * kv_heads),
-        q, k, v, do, stats, delta, dk, dv, *strides(q), *strides(k), *strides(v), *strides(do), *strides(dk),
-        *strides(dv), heads, kv_heads, heads // kv_heads, n, m, qk_scale, scale, key_mask,
-        head_dim=head_dim, dtype=q.dtype, length=m, **shape, CAUSAL=causal, PRECISION=precision,
-        HAS_KEY_MASK=has_key_mask,
+        "dkdv", _dkdv_kernel, common.column_grid(m, batch * kv_heads), *common.with_strides(q, k, v, do, dk, dv), stats,
+        delta, key_mask, heads, kv_heads, *scalars, head_dim=head_dim, dtype=q.dtype, length=m, **constants,
     )
     configs.launch(
-        "dq", _dq_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads),
-        q, k, v, do, stats, delta, dq, *strides(q), *strides(k), *strides(v), *strides(do), *strides(dq),
-        heads, heads // kv_heads, n, m, qk_scale, scale, key_mask,
-        head_dim=head_dim, dtype=q.dtype, length=n, **shape, CAUSAL=causal, PRECISION=precision,
-        HAS_KEY_MASK=has_key_mask,
+        "dq", _dq_kernel, common.row_grid(n, batch * heads), *common.with_strides(q, k, v, do, dq), stats, delta,
+        key_mask, heads, *scalars, head_dim=head_dim, dtype=q.dtype, length=n, **constants,
     )
     return dq, dk, dv, delta

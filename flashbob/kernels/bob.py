@@ -3,14 +3,15 @@ r"""Backward-over-backward of attention in four sweeps, none of which stores an 
 The sweeps, in launch order; each name is the sweep's config key in :mod:`.configs` and, for the row
 sweeps, the ``SWEEP`` of :func:`_bob_rows_kernel`:
 
-1. ``bob_scalars`` (rows): the row scalars :math:`A` and :math:`C` (:func:`_scalars_inner`);
-2. ``bob_q_bar`` (rows): :math:`\bar Q = \tau (G_S K + dS\, \bar W)` (:func:`_q_bar_inner`);
-3. ``bob_do_bar`` (rows): :math:`d\bar O = G_{dP} V + P \bar Z` (:func:`_do_bar_inner`);
+1. ``bob_scalars`` (rows): the row scalars :math:`A` and :math:`C` (:func:`_scalars_step`);
+2. ``bob_q_bar`` (rows): :math:`\bar Q = \tau (G_S K + dS\, \bar W)` (:func:`_q_bar_step`);
+3. ``bob_do_bar`` (rows): :math:`d\bar O = G_{dP} V + P \bar Z` (:func:`_do_bar_step`);
 4. ``bob_cols`` (columns): :math:`\bar K = \tau (G_S^\top Q + dS^\top \bar U)` and
    :math:`\bar V = G_{dP}^\top dO` (:func:`_columns_inner`).
 
 Every sweep recomputes its tiles of :math:`P`, :math:`dP`, :math:`\bar A` and :math:`\bar B`
-(:func:`_bob_tile`). docs/algorithm.md states the formulas and derives them.
+(:func:`_bob_tile`); the row sweeps walk the key blocks in one loop (:func:`_rows_inner`) and differ
+only in what they add up. docs/algorithm.md states the formulas and derives them.
 """
 
 from __future__ import annotations
@@ -19,33 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import configs
-from .common import (
-    LOG2E,
-    bilinear_tile,
-    check_qkv,
-    column_block_masked_end,
-    dot_precision,
-    head_dim_block,
-    head_pointer,
-    key_mask_operand,
-    key_mask_pointer,
-    load_softmax_stats,
-    load_tile,
-    operand,
-    optional_tile,
-    probabilities,
-    probabilities_transposed,
-    query_block,
-    row_block_key_ranges,
-    row_statistic,
-    row_vector_pointer,
-    softmax_stats,
-    softmax_stats_pointer,
-    store_tile,
-    strides,
-    tile_product,
-)
+from . import common, configs
 
 
 @triton.jit
@@ -66,87 +41,55 @@ def _bob_tile(
     P stands in for it, and the caller never reads it.
     """
     if TRANSPOSED:
-        p = probabilities_transposed(k, q, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
-                                     MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
+        p = common.probabilities_transposed(k, q, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
+                                            MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
     else:
-        p = probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
-                          MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
+        p = common.probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
+                                 MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
     dp, dp_centered, a_bar, b_bar = p, p, p, p
     if WITH_DO:
-        dp = tile_product(do, v, TRANSPOSED=TRANSPOSED, PRECISION=PRECISION)
+        dp = common.tile_product(do, v, TRANSPOSED=TRANSPOSED, PRECISION=PRECISION)
         if TRANSPOSED:
             dp_centered = dp - delta[None, :]
         else:
             dp_centered = dp - delta[:, None]
     if HAS_DQ_BAR or HAS_DK_BAR:
-        a_bar = scale * bilinear_tile(q, u_bar, k, w_bar, HAS_DX=HAS_DQ_BAR, HAS_DY=HAS_DK_BAR,
-                                      TRANSPOSED=TRANSPOSED, PRECISION=PRECISION)
+        a_bar = scale * common.bilinear_tile(q, u_bar, k, w_bar, HAS_DX=HAS_DQ_BAR, HAS_DY=HAS_DK_BAR,
+                                             TRANSPOSED=TRANSPOSED, PRECISION=PRECISION)
     if WITH_DO and HAS_DV_BAR:
-        b_bar = tile_product(do, z_bar, TRANSPOSED=TRANSPOSED, PRECISION=PRECISION)
+        b_bar = common.tile_product(do, z_bar, TRANSPOSED=TRANSPOSED, PRECISION=PRECISION)
     return p, dp, dp_centered, a_bar, b_bar
-
-
-@triton.jit
-def _key_block(
-    k_base, v_base, w_bar_base, z_bar_base, stride_kn, stride_vn, stride_wn, stride_zn, keys, M,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr,
-):
-    r"""The rows ``keys`` of :math:`K, V, \bar W, \bar Z` of one kv head (K in place of an absent cotangent)."""
-    k = load_tile(k_base, keys, M, stride_kn, HEAD_DIM, BLOCK_D)
-    v = load_tile(v_base, keys, M, stride_vn, HEAD_DIM, BLOCK_D)
-    w_bar = optional_tile(w_bar_base, keys, M, stride_wn, k, HEAD_DIM, BLOCK_D, PRESENT=HAS_DK_BAR)
-    z_bar = optional_tile(z_bar_base, keys, M, stride_zn, k, HEAD_DIM, BLOCK_D, PRESENT=HAS_DV_BAR)
-    return k, v, w_bar, z_bar
 
 
 # ----------------------------------------------------------------------------- row sweeps
 
 
 @triton.jit
-def _scalars_inner(
-    a, c, q, do, u_bar, row_max, log_sum, delta, k_base, v_base, w_bar_base, z_bar_base,
-    stride_kn, stride_vn, stride_wn, stride_zn, rows, start, end, M, qk_scale, scale, key_mask_base,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr,
-    HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr,
-):
-    r"""Sweep ``bob_scalars``: add key blocks ``[start, end)`` to a query block's
+def _scalars_step(a, c, p, dp_centered, a_bar, b_bar, HAS_A_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr):
+    r"""Sweep ``bob_scalars``, one key block:
 
     .. math::
-        a_i \mathrel{+}= \textstyle\sum_j P_{ij} \bar A_{ij},\quad c_i \mathrel{+}= \sum_j P_{ij} X_{ij},\quad
-        X = (dP - \Delta) \circ \bar A + \bar B
+        a_i \mathrel{+}= \textstyle\sum_j P_{ij} \bar A_{ij},\quad c_i \mathrel{+}= \sum_j P_{ij} X_{ij}
 
-    (then :math:`A = a` and :math:`C = c - A \circ \Delta`). Without :math:`\bar U, \bar W`, ``a`` stays 0.
+    with :math:`X = (dP - \Delta) \circ \bar A + \bar B` (then :math:`A = a` and :math:`C = c - A \circ \Delta`).
+    Without :math:`\bar U, \bar W`, ``a`` stays 0.
     """
-    for start_n in range(start, end, BLOCK_N):
-        keys = start_n + tl.arange(0, BLOCK_N)
-        k, v, w_bar, z_bar = _key_block(k_base, v_base, w_bar_base, z_bar_base, stride_kn, stride_vn, stride_wn,
-                                        stride_zn, keys, M, HEAD_DIM, BLOCK_D, HAS_DK_BAR=HAS_DK_BAR,
-                                        HAS_DV_BAR=HAS_DV_BAR)
-        p, _, dp_centered, a_bar, b_bar = _bob_tile(
-            q, k, v, do, u_bar, w_bar, z_bar, row_max, log_sum, delta, rows, keys, M, qk_scale, scale, key_mask_base,
-            TRANSPOSED=False, MASK_CAUSAL=MASK_CAUSAL, WITH_DO=True, HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR,
-            HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK,
-        )
-        x = tl.zeros_like(p)
-        if HAS_DQ_BAR or HAS_DK_BAR:
-            x += dp_centered * a_bar
-            a += tl.sum(p * a_bar, 1)
-        if HAS_DV_BAR:
-            x += b_bar
-        c += tl.sum(p * x, 1)
+    x = tl.zeros_like(p)
+    if HAS_A_BAR:
+        x += dp_centered * a_bar
+        a += tl.sum(p * a_bar, 1)
+    if HAS_DV_BAR:
+        x += b_bar
+    c += tl.sum(p * x, 1)
     return a, c
 
 
 @triton.jit
-def _q_bar_inner(
-    q_bar, a, c, q, do, u_bar, row_max, log_sum, delta, k_base, v_base, w_bar_base, z_bar_base,
-    stride_kn, stride_vn, stride_wn, stride_zn, rows, start, end, M, qk_scale, scale, key_mask_base,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr,
-    HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr,
+def _q_bar_step(
+    q_bar, a, c, p, dp, dp_centered, a_bar, b_bar, k, w_bar,
+    HAS_A_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    r"""Sweep ``bob_q_bar``: add key blocks ``[start, end)`` to a query block's
+    r"""Sweep ``bob_q_bar``, one key block:
 
     .. math::
         \bar Q_i / \tau \mathrel{+}= \textstyle\sum_j G_{S,ij} K_j + dS_{ij} \bar W_j,\quad
@@ -155,157 +98,134 @@ def _q_bar_inner(
     with :math:`A, C` from ``bob_scalars``; :math:`G_S` is formed in float32 before it is rounded to
     the input dtype for its product (on a row that sees one key it is ~0, and stays so).
     """
-    for start_n in range(start, end, BLOCK_N):
-        keys = start_n + tl.arange(0, BLOCK_N)
-        k, v, w_bar, z_bar = _key_block(k_base, v_base, w_bar_base, z_bar_base, stride_kn, stride_vn, stride_wn,
-                                        stride_zn, keys, M, HEAD_DIM, BLOCK_D, HAS_DK_BAR=HAS_DK_BAR,
-                                        HAS_DV_BAR=HAS_DV_BAR)
-        p, dp, dp_centered, a_bar, b_bar = _bob_tile(
-            q, k, v, do, u_bar, w_bar, z_bar, row_max, log_sum, delta, rows, keys, M, qk_scale, scale, key_mask_base,
-            TRANSPOSED=False, MASK_CAUSAL=MASK_CAUSAL, WITH_DO=True, HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR,
-            HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK,
-        )
-        x = tl.zeros_like(p)
-        if HAS_DQ_BAR or HAS_DK_BAR:
-            x += dp_centered * a_bar
-        if HAS_DV_BAR:
-            x += b_bar
-        g_s = p * (x - a[:, None] * dp - c[:, None])
-        q_bar += tl.dot(g_s.to(k.dtype), k, input_precision=PRECISION)
-        if HAS_DK_BAR:
-            q_bar += tl.dot((p * dp_centered).to(w_bar.dtype), w_bar, input_precision=PRECISION)
-    return q_bar
+    x = tl.zeros_like(p)  # X of bob_scalars
+    if HAS_A_BAR:
+        x += dp_centered * a_bar
+    if HAS_DV_BAR:
+        x += b_bar
+    g = x - a[:, None] * dp - c[:, None]
+    return common.add_product_change(q_bar, p, g, dp_centered, k, w_bar, HAS_DY=HAS_DK_BAR, PRECISION=PRECISION)
 
 
 @triton.jit
-def _do_bar_inner(
-    do_bar, a, q, u_bar, row_max, log_sum, k_base, v_base, w_bar_base, z_bar_base,
-    stride_kn, stride_vn, stride_wn, stride_zn, rows, start, end, M, qk_scale, scale, key_mask_base,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr,
-    HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr,
+def _do_bar_step(
+    do_bar, a, p, a_bar, v, z_bar, HAS_A_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    r"""Sweep ``bob_do_bar``: add key blocks ``[start, end)`` to a query block's
+    r"""Sweep ``bob_do_bar``, one key block:
 
     .. math::
         d\bar O_i \mathrel{+}= \textstyle\sum_j G_{dP,ij} V_j + P_{ij} \bar Z_j,\quad G_{dP} = P \circ (\bar A - A)
 
     with :math:`A` from ``bob_scalars`` (no dP, no product with dO). :math:`G_{dP}` is formed in
-    float32 before the rounding, like :math:`G_S` in :func:`_q_bar_inner`; it equals
+    float32 before the rounding, like :math:`G_S` in :func:`_q_bar_step`; it equals
     :math:`(P \circ \bar A) V - A \circ O` because :math:`\sum_j P_{ij} V_j = O_i`.
     """
-    for start_n in range(start, end, BLOCK_N):
-        keys = start_n + tl.arange(0, BLOCK_N)
-        k, v, w_bar, z_bar = _key_block(k_base, v_base, w_bar_base, z_bar_base, stride_kn, stride_vn, stride_wn,
-                                        stride_zn, keys, M, HEAD_DIM, BLOCK_D, HAS_DK_BAR=HAS_DK_BAR,
-                                        HAS_DV_BAR=HAS_DV_BAR)
-        p, _, _, a_bar, _ = _bob_tile(  # no dO, no Δ here: q and a stand in for them, never read
-            q, k, v, q, u_bar, w_bar, z_bar, row_max, log_sum, a, rows, keys, M, qk_scale, scale, key_mask_base,
-            TRANSPOSED=False, MASK_CAUSAL=MASK_CAUSAL, WITH_DO=False, HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR,
-            HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK,
-        )
-        if HAS_DQ_BAR or HAS_DK_BAR:
-            do_bar += tl.dot((p * (a_bar - a[:, None])).to(v.dtype), v, input_precision=PRECISION)
-        if HAS_DV_BAR:
-            do_bar += tl.dot(p.to(z_bar.dtype), z_bar, input_precision=PRECISION)
+    if HAS_A_BAR:
+        do_bar += tl.dot((p * (a_bar - a[:, None])).to(v.dtype), v, input_precision=PRECISION)
+    if HAS_DV_BAR:
+        do_bar += tl.dot(p.to(z_bar.dtype), z_bar, input_precision=PRECISION)
     return do_bar
 
 
 @triton.jit
+def _rows_inner(
+    acc, a, c, q, do, u_bar, row_max, log_sum, delta, k_base, v_base, w_bar_base, z_bar_base,
+    stride_kn, stride_vn, stride_wn, stride_zn, rows, start, end, M, qk_scale, scale, key_mask_base,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr,
+    HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, SWEEP: tl.constexpr,
+):
+    r"""Add key blocks ``[start, end)`` to a query block's row sweep ``SWEEP``: the scalars ``a, c``
+    (:func:`_scalars_step`), or :math:`\bar Q / \tau` (:func:`_q_bar_step`) or :math:`d\bar O`
+    (:func:`_do_bar_step`) in ``acc``; what a sweep does not add to passes through unchanged."""
+    has_a_bar: tl.constexpr = HAS_DQ_BAR or HAS_DK_BAR
+    for start_n in range(start, end, BLOCK_N):
+        keys = start_n + tl.arange(0, BLOCK_N)
+        k, v, w_bar, z_bar = common.load_tile_group(k_base, v_base, w_bar_base, z_bar_base, stride_kn, stride_vn,
+                                                    stride_wn, stride_zn, keys, M, HEAD_DIM, BLOCK_D, HAS_DK_BAR,
+                                                    HAS_DV_BAR)
+        p, dp, dp_centered, a_bar, b_bar = _bob_tile(
+            q, k, v, do, u_bar, w_bar, z_bar, row_max, log_sum, delta, rows, keys, M, qk_scale, scale, key_mask_base,
+            TRANSPOSED=False, MASK_CAUSAL=MASK_CAUSAL, WITH_DO=SWEEP != "bob_do_bar", HAS_DQ_BAR=HAS_DQ_BAR,
+            HAS_DK_BAR=HAS_DK_BAR, HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK,
+        )
+        if SWEEP == "bob_scalars":
+            a, c = _scalars_step(a, c, p, dp_centered, a_bar, b_bar, HAS_A_BAR=has_a_bar, HAS_DV_BAR=HAS_DV_BAR)
+        if SWEEP == "bob_q_bar":
+            acc = _q_bar_step(acc, a, c, p, dp, dp_centered, a_bar, b_bar, k, w_bar, HAS_A_BAR=has_a_bar,
+                              HAS_DK_BAR=HAS_DK_BAR, HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION)
+        if SWEEP == "bob_do_bar":
+            acc = _do_bar_step(acc, a, p, a_bar, v, z_bar, HAS_A_BAR=has_a_bar, HAS_DV_BAR=HAS_DV_BAR,
+                               PRECISION=PRECISION)
+    return acc, a, c
+
+
+@triton.jit
 def _bob_rows_kernel(
-    Q, K, V, DO, STATS, DELTA, U_BAR, W_BAR, Z_BAR, A, C, OUT,
+    Q, K, V, DO, U_BAR, W_BAR, Z_BAR,
+    OUT,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don, stride_ub, stride_uh, stride_un, stride_wb, stride_wh, stride_wn,
     stride_zb, stride_zh, stride_zn, stride_outb, stride_outh, stride_outn,
-    heads, group, N, M, qk_scale, scale, KEY_MASK,
+    STATS, DELTA, A, C, KEY_MASK, heads, group, N, M, qk_scale, scale,
+    SWEEP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, SWEEP: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
-    r"""One query block of the row sweep ``SWEEP``, key blocks split as in the forward (causal: the
-    diagonal blocks masked, those right of it skipped):
+    r"""One query block of the row sweep ``SWEEP`` (:func:`_rows_inner`), key blocks split as in the
+    forward (causal: the diagonal blocks masked, those right of it skipped):
 
-    * ``"bob_scalars"`` stores :math:`A_i = a_i` and :math:`C_i = c_i - A_i \Delta_i` (:func:`_scalars_inner`);
-    * ``"bob_q_bar"`` stores :math:`\bar Q` into ``OUT`` (:func:`_q_bar_inner`);
-    * ``"bob_do_bar"`` stores :math:`d\bar O` into ``OUT`` (:func:`_do_bar_inner`).
+    * ``"bob_scalars"`` stores :math:`A_i = a_i` and :math:`C_i = c_i - A_i \Delta_i`;
+    * ``"bob_q_bar"`` reads A and C and stores :math:`\bar Q` into ``OUT``;
+    * ``"bob_do_bar"`` reads A and stores :math:`d\bar O` into ``OUT``.
 
     Absent cotangents' pointers are never read.
     """
-    start_m, rows, batch_head, batch, head, kv_head = query_block(heads, group, BLOCK_M)
-    k_base = head_pointer(K, batch, kv_head, stride_kb, stride_kh)
-    v_base = head_pointer(V, batch, kv_head, stride_vb, stride_vh)
-    w_bar_base = head_pointer(W_BAR, batch, kv_head, stride_wb, stride_wh)
-    z_bar_base = head_pointer(Z_BAR, batch, kv_head, stride_zb, stride_zh)
-    key_mask_base = key_mask_pointer(KEY_MASK, batch, M)
+    start_m, rows, batch_head, batch, head, kv_head, key_mask_base = common.query_block(heads, group, KEY_MASK, M, BLOCK_M)
+    k_base, v_base, w_bar_base, z_bar_base = common.head_pointers(K, V, W_BAR, Z_BAR, batch, kv_head, stride_kb,
+                                                                  stride_kh, stride_vb, stride_vh, stride_wb, stride_wh,
+                                                                  stride_zb, stride_zh)
 
-    q = load_tile(head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM, BLOCK_D)
-    do = load_tile(head_pointer(DO, batch, head, stride_dob, stride_doh), rows, N, stride_don, HEAD_DIM, BLOCK_D)
-    u_bar = optional_tile(head_pointer(U_BAR, batch, head, stride_ub, stride_uh), rows, N, stride_un, q,
-                          HEAD_DIM, BLOCK_D, PRESENT=HAS_DQ_BAR)
-    row_max, log_sum = load_softmax_stats(softmax_stats_pointer(STATS, batch_head, N), rows, N)
-    delta = tl.load(row_vector_pointer(DELTA, batch_head, N) + rows, mask=rows < N, other=0.0)
+    q = common.load_tile(common.head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM,
+                         BLOCK_D)
+    do = common.load_tile(common.head_pointer(DO, batch, head, stride_dob, stride_doh), rows, N, stride_don, HEAD_DIM,
+                          BLOCK_D)
+    u_bar = common.optional_tile(common.head_pointer(U_BAR, batch, head, stride_ub, stride_uh), rows, N, stride_un, q,
+                                 HEAD_DIM, BLOCK_D, PRESENT=HAS_DQ_BAR)
+    row_max, log_sum = common.load_softmax_stats(common.softmax_stats_pointer(STATS, batch_head, N), rows, N)
+    delta = common.load_rows(common.row_vector_pointer(DELTA, batch_head, N), rows, N)
     acc_dtype = DELTA.dtype.element_ty
-    unmasked_end, end = row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
+    unmasked_end, end = common.row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
 
     if SWEEP == "bob_scalars":
         a = tl.zeros([BLOCK_M], dtype=acc_dtype)
         c = tl.zeros([BLOCK_M], dtype=acc_dtype)
-        a, c = _scalars_inner(
-            a, c, q, do, u_bar, row_max, log_sum, delta, k_base, v_base, w_bar_base, z_bar_base,
-            stride_kn, stride_vn, stride_wn, stride_zn, rows, 0, unmasked_end, M, qk_scale, scale, key_mask_base,
-            HEAD_DIM, BLOCK_D, BLOCK_N, MASK_CAUSAL=False, HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR,
-            HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK,
+    else:  # the dO-bar sweep reads no C: its load is dropped by the compiler
+        a = common.load_rows(common.row_vector_pointer(A, batch_head, N), rows, N)
+        c = common.load_rows(common.row_vector_pointer(C, batch_head, N), rows, N)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)  # untouched (and not kept) in the scalar sweep
+    acc, a, c = _rows_inner(
+        acc, a, c, q, do, u_bar, row_max, log_sum, delta, k_base, v_base, w_bar_base, z_bar_base, stride_kn, stride_vn,
+        stride_wn, stride_zn, rows, 0, unmasked_end, M, qk_scale, scale, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N,
+        False, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, HAS_KEY_MASK, SWEEP,
+    )
+    if CAUSAL:
+        acc, a, c = _rows_inner(
+            acc, a, c, q, do, u_bar, row_max, log_sum, delta, k_base, v_base, w_bar_base, z_bar_base, stride_kn,
+            stride_vn, stride_wn, stride_zn, rows, unmasked_end, end, M, qk_scale, scale, key_mask_base, HEAD_DIM,
+            BLOCK_D, BLOCK_N, True, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, HAS_KEY_MASK, SWEEP,
         )
-        if CAUSAL:
-            a, c = _scalars_inner(
-                a, c, q, do, u_bar, row_max, log_sum, delta, k_base, v_base, w_bar_base, z_bar_base,
-                stride_kn, stride_vn, stride_wn, stride_zn, rows, unmasked_end, end, M, qk_scale, scale,
-                key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, MASK_CAUSAL=True, HAS_DQ_BAR=HAS_DQ_BAR,
-                HAS_DK_BAR=HAS_DK_BAR, HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK,
-            )
+
+    if SWEEP == "bob_scalars":
         c = c - a * delta
-        tl.store(row_vector_pointer(A, batch_head, N) + rows, a, mask=rows < N)
-        tl.store(row_vector_pointer(C, batch_head, N) + rows, c, mask=rows < N)
-
-    if SWEEP == "bob_q_bar":
-        a = tl.load(row_vector_pointer(A, batch_head, N) + rows, mask=rows < N, other=0.0)
-        c = tl.load(row_vector_pointer(C, batch_head, N) + rows, mask=rows < N, other=0.0)
-        q_bar = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
-        q_bar = _q_bar_inner(
-            q_bar, a, c, q, do, u_bar, row_max, log_sum, delta, k_base, v_base, w_bar_base, z_bar_base,
-            stride_kn, stride_vn, stride_wn, stride_zn, rows, 0, unmasked_end, M, qk_scale, scale, key_mask_base,
-            HEAD_DIM, BLOCK_D, BLOCK_N, MASK_CAUSAL=False, HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR,
-            HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK,
-        )
-        if CAUSAL:
-            q_bar = _q_bar_inner(
-                q_bar, a, c, q, do, u_bar, row_max, log_sum, delta, k_base, v_base, w_bar_base, z_bar_base,
-                stride_kn, stride_vn, stride_wn, stride_zn, rows, unmasked_end, end, M, qk_scale, scale,
-                key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, MASK_CAUSAL=True, HAS_DQ_BAR=HAS_DQ_BAR,
-                HAS_DK_BAR=HAS_DK_BAR, HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK,
-            )
-        q_bar = q_bar * scale
-        q_bar_base = head_pointer(OUT, batch, head, stride_outb, stride_outh)
-        store_tile(q_bar_base, q_bar, rows, N, stride_outn, HEAD_DIM, BLOCK_D)
-
-    if SWEEP == "bob_do_bar":
-        a = tl.load(row_vector_pointer(A, batch_head, N) + rows, mask=rows < N, other=0.0)
-        do_bar = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
-        do_bar = _do_bar_inner(
-            do_bar, a, q, u_bar, row_max, log_sum, k_base, v_base, w_bar_base, z_bar_base,
-            stride_kn, stride_vn, stride_wn, stride_zn, rows, 0, unmasked_end, M, qk_scale, scale, key_mask_base,
-            HEAD_DIM, BLOCK_D, BLOCK_N, MASK_CAUSAL=False, HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR,
-            HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK,
-        )
-        if CAUSAL:
-            do_bar = _do_bar_inner(
-                do_bar, a, q, u_bar, row_max, log_sum, k_base, v_base, w_bar_base, z_bar_base,
-                stride_kn, stride_vn, stride_wn, stride_zn, rows, unmasked_end, end, M, qk_scale, scale,
-                key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, MASK_CAUSAL=True, HAS_DQ_BAR=HAS_DQ_BAR,
-                HAS_DK_BAR=HAS_DK_BAR, HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK,
-            )
-        do_bar_base = head_pointer(OUT, batch, head, stride_outb, stride_outh)
-        store_tile(do_bar_base, do_bar, rows, N, stride_outn, HEAD_DIM, BLOCK_D)
+        common.store_rows(common.row_vector_pointer(A, batch_head, N), a, rows, N)
+        common.store_rows(common.row_vector_pointer(C, batch_head, N), c, rows, N)
+    else:
+        if SWEEP == "bob_q_bar":
+            acc = acc * scale
+        common.store_tile(common.head_pointer(OUT, batch, head, stride_outb, stride_outh), acc, rows, N, stride_outn,
+                          HEAD_DIM, BLOCK_D)
 
 
 # ----------------------------------------------------------------------------- column sweep
@@ -331,12 +251,12 @@ def _columns_inner(
     """
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
-        q = load_tile(q_base, rows, N, stride_qn, HEAD_DIM, BLOCK_D)
-        do = load_tile(do_base, rows, N, stride_don, HEAD_DIM, BLOCK_D)
-        u_bar = optional_tile(u_bar_base, rows, N, stride_un, q, HEAD_DIM, BLOCK_D, PRESENT=HAS_DQ_BAR)
-        row_max, log_sum = load_softmax_stats(stats_base, rows, N)
-        delta = tl.load(delta_base + rows, mask=rows < N, other=0.0)
-        c = tl.load(c_base + rows, mask=rows < N, other=0.0)
+        q = common.load_tile(q_base, rows, N, stride_qn, HEAD_DIM, BLOCK_D)
+        do = common.load_tile(do_base, rows, N, stride_don, HEAD_DIM, BLOCK_D)
+        u_bar = common.optional_tile(u_bar_base, rows, N, stride_un, q, HEAD_DIM, BLOCK_D, PRESENT=HAS_DQ_BAR)
+        row_max, log_sum = common.load_softmax_stats(stats_base, rows, N)
+        delta = common.load_rows(delta_base, rows, N)
+        c = common.load_rows(c_base, rows, N)
         p_t, dp_t, dp_centered_t, a_bar_t, b_bar_t = _bob_tile(
             q, k, v, do, u_bar, w_bar, z_bar, row_max, log_sum, delta, rows, keys, M, qk_scale, scale, key_mask_base,
             TRANSPOSED=True, MASK_CAUSAL=MASK_CAUSAL, WITH_DO=True, HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR,
@@ -344,26 +264,26 @@ def _columns_inner(
         )
         g_s_t = tl.zeros_like(p_t) - c[None, :]
         if HAS_DQ_BAR or HAS_DK_BAR:
-            a = tl.load(a_base + rows, mask=rows < N, other=0.0)
+            a = common.load_rows(a_base, rows, N)
             g_s_t += dp_centered_t * a_bar_t - a[None, :] * dp_t
             g_dp_t = p_t * (a_bar_t - a[None, :])
             v_bar += tl.dot(g_dp_t.to(do.dtype), do, input_precision=PRECISION)
         if HAS_DV_BAR:
             g_s_t += b_bar_t
-        k_bar += tl.dot((p_t * g_s_t).to(q.dtype), q, input_precision=PRECISION)
-        if HAS_DQ_BAR:
-            k_bar += tl.dot((p_t * dp_centered_t).to(u_bar.dtype), u_bar, input_precision=PRECISION)
+        k_bar = common.add_product_change(k_bar, p_t, g_s_t, dp_centered_t, q, u_bar, HAS_DY=HAS_DQ_BAR,
+                                          PRECISION=PRECISION)
     return k_bar, v_bar
 
 
 @triton.jit
 def _bob_columns_kernel(
-    Q, K, V, DO, STATS, DELTA, A, C, U_BAR, W_BAR, Z_BAR, K_BAR, V_BAR,
+    Q, K, V, DO, U_BAR, W_BAR, Z_BAR,
+    K_BAR, V_BAR,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-    stride_dob, stride_doh, stride_don, stride_ub, stride_uh, stride_un,
-    stride_wb, stride_wh, stride_wn, stride_zb, stride_zh, stride_zn,
+    stride_dob, stride_doh, stride_don,
+    stride_ub, stride_uh, stride_un, stride_wb, stride_wh, stride_wn, stride_zb, stride_zh, stride_zn,
     stride_kbb, stride_kbh, stride_kbn, stride_vbb, stride_vbh, stride_vbn,
-    heads, kv_heads, group, N, M, qk_scale, scale, KEY_MASK,
+    STATS, DELTA, A, C, KEY_MASK, heads, kv_heads, group, N, M, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr,
     PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
@@ -371,32 +291,23 @@ def _bob_columns_kernel(
     r"""Sweep ``bob_cols`` for one key block of one kv head: :math:`\bar K = \tau (G_S^\top Q + dS^\top \bar U)`
     and :math:`\bar V = G_{dP}^\top dO`, summed over the ``group`` query heads sharing it
     (:func:`_columns_inner`); the causal split of the query rows is the one of the dK/dV kernel."""
-    start_n = tl.program_id(0) * BLOCK_N
-    batch_kv_head = tl.program_id(1)
-    batch, kv_head = batch_kv_head // kv_heads, batch_kv_head % kv_heads
-    keys = start_n + tl.arange(0, BLOCK_N)
-    key_mask_base = key_mask_pointer(KEY_MASK, batch, M)
-    k_base = head_pointer(K, batch, kv_head, stride_kb, stride_kh)
-    v_base = head_pointer(V, batch, kv_head, stride_vb, stride_vh)
-    w_bar_base = head_pointer(W_BAR, batch, kv_head, stride_wb, stride_wh)
-    z_bar_base = head_pointer(Z_BAR, batch, kv_head, stride_zb, stride_zh)
-    k, v, w_bar, z_bar = _key_block(k_base, v_base, w_bar_base, z_bar_base, stride_kn, stride_vn, stride_wn, stride_zn,
-                                    keys, M, HEAD_DIM, BLOCK_D, HAS_DK_BAR=HAS_DK_BAR, HAS_DV_BAR=HAS_DV_BAR)
+    start_n, keys, batch, kv_head, key_mask_base = common.key_block(kv_heads, KEY_MASK, M, BLOCK_N)
     acc_dtype = DELTA.dtype.element_ty
     k_bar = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
     v_bar = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
+    k_base, v_base, w_bar_base, z_bar_base = common.head_pointers(K, V, W_BAR, Z_BAR, batch, kv_head, stride_kb,
+                                                                  stride_kh, stride_vb, stride_vh, stride_wb, stride_wh,
+                                                                  stride_zb, stride_zh)
+    k, v, w_bar, z_bar = common.load_tile_group(k_base, v_base, w_bar_base, z_bar_base, stride_kn, stride_vn, stride_wn,
+                                                stride_zn, keys, M, HEAD_DIM, BLOCK_D, HAS_DK_BAR, HAS_DV_BAR)
 
-    masked_end = column_block_masked_end(start_n, N, BLOCK_M, BLOCK_N, CAUSAL)
+    masked_end = common.column_block_masked_end(start_n, N, BLOCK_M, BLOCK_N, CAUSAL)
     for member in range(group):
-        head = kv_head * group + member
-        batch_head = batch * heads + head
-        q_base = head_pointer(Q, batch, head, stride_qb, stride_qh)
-        do_base = head_pointer(DO, batch, head, stride_dob, stride_doh)
-        u_bar_base = head_pointer(U_BAR, batch, head, stride_ub, stride_uh)
-        stats_base = softmax_stats_pointer(STATS, batch_head, N)
-        delta_base = row_vector_pointer(DELTA, batch_head, N)
-        a_base = row_vector_pointer(A, batch_head, N)
-        c_base = row_vector_pointer(C, batch_head, N)
+        head, batch_head, q_base, do_base, stats_base, delta_base = common.group_query_head(
+            Q, DO, STATS, DELTA, batch, heads, kv_head, group, member, N, stride_qb, stride_qh, stride_dob, stride_doh)
+        a_base = common.row_vector_pointer(A, batch_head, N)
+        c_base = common.row_vector_pointer(C, batch_head, N)
+        u_bar_base = common.head_pointer(U_BAR, batch, head, stride_ub, stride_uh)
         if CAUSAL:
             k_bar, v_bar = _columns_inner(
                 k_bar, v_bar, k, v, w_bar, z_bar, q_base, do_base, u_bar_base, stats_base, delta_base, a_base,
@@ -411,10 +322,10 @@ def _bob_columns_kernel(
             HAS_DK_BAR=HAS_DK_BAR, HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK,
         )
 
-    k_bar_base = head_pointer(K_BAR, batch, kv_head, stride_kbb, stride_kbh)
-    store_tile(k_bar_base, k_bar * scale, keys, M, stride_kbn, HEAD_DIM, BLOCK_D)
-    v_bar_base = head_pointer(V_BAR, batch, kv_head, stride_vbb, stride_vbh)
-    store_tile(v_bar_base, v_bar, keys, M, stride_vbn, HEAD_DIM, BLOCK_D)
+    k_bar_base = common.head_pointer(K_BAR, batch, kv_head, stride_kbb, stride_kbh)
+    common.store_tile(k_bar_base, k_bar * scale, keys, M, stride_kbn, HEAD_DIM, BLOCK_D)
+    v_bar_base = common.head_pointer(V_BAR, batch, kv_head, stride_vbb, stride_vbh)
+    common.store_tile(v_bar_base, v_bar, keys, M, stride_vbn, HEAD_DIM, BLOCK_D)
 
 
 # ----------------------------------------------------------------------------- host wrapper
@@ -449,39 +360,31 @@ def bob(
     Returns:
         ``(q_bar, k_bar, v_bar, do_bar)`` shaped and typed like ``q, k, v, do``.
     """
-    check_qkv(q, k, v)
-    shaped_like = (("do", do, q), ("o", o, q), ("dq_bar", dq_bar, q), ("dk_bar", dk_bar, k), ("dv_bar", dv_bar, v))
-    for name, x, like in shaped_like:
-        if x is not None and x.shape != like.shape:
-            raise ValueError(f"{name} must have shape {tuple(like.shape)}; got {tuple(x.shape)}")
+    common.check_qkv(q, k, v)
+    common.check_shaped_like(("do", do, q), ("o", o, q), ("dq_bar", dq_bar, q), ("dk_bar", dk_bar, k),
+                             ("dv_bar", dv_bar, v))
     if dq_bar is None and dk_bar is None and dv_bar is None:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(do)
-    key_mask, has_key_mask = key_mask_operand(key_mask, q, k)
-    q, k, v, do = (operand(x, q) for x in (q, k, v, do))
+    key_mask, has_key_mask = common.key_mask_operand(key_mask, q, k)
+    q, k, v, do = (common.operand(x, q) for x in (q, k, v, do))
     batch, heads, n, head_dim = q.shape
     kv_heads, m = k.shape[1], k.shape[2]
-    stats, delta = softmax_stats(stats, q), row_statistic(delta, q)
+    stats, delta = common.softmax_stats(stats, q), common.row_statistic(delta, q)
     a, c = torch.empty_like(delta), torch.empty_like(delta)
     q_bar, k_bar, v_bar, do_bar = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(do)
     # Absent cotangents are passed as placeholders (q or k) that the kernels never read.
-    u_bar = q if dq_bar is None else operand(dq_bar, q)
-    w_bar = k if dk_bar is None else operand(dk_bar, q)
-    z_bar = k if dv_bar is None else operand(dv_bar, q)
-    constants = dict(
-        HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), CAUSAL=causal,
-        PRECISION=dot_precision(q.dtype, allow_tf32),
-        HAS_DQ_BAR=dq_bar is not None, HAS_DK_BAR=dk_bar is not None, HAS_DV_BAR=dv_bar is not None,
-        HAS_KEY_MASK=has_key_mask,
-    )
-    qk_scale = scale * LOG2E.value
+    u_bar = q if dq_bar is None else common.operand(dq_bar, q)
+    w_bar = k if dk_bar is None else common.operand(dk_bar, q)
+    z_bar = k if dv_bar is None else common.operand(dv_bar, q)
+    constants = common.kernel_constants(q, causal, allow_tf32, has_key_mask, HAS_DQ_BAR=dq_bar is not None,
+                                        HAS_DK_BAR=dk_bar is not None, HAS_DV_BAR=dv_bar is not None)
+    scalars = (heads // kv_heads, n, m, scale * common.LOG2E.value, scale)
 
     def row_sweep(sweep: str, out: torch.Tensor) -> None:
         """Launch the row sweep ``sweep`` over every query block; its d-vector output goes to ``out``."""
         configs.launch(
-            sweep, _bob_rows_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads),
-            q, k, v, do, stats, delta, u_bar, w_bar, z_bar, a, c, out,
-            *strides(q), *strides(k), *strides(v), *strides(do), *strides(u_bar), *strides(w_bar), *strides(z_bar),
-            *strides(out), heads, heads // kv_heads, n, m, qk_scale, scale, key_mask,
+            sweep, _bob_rows_kernel, common.row_grid(n, batch * heads),
+            *common.with_strides(q, k, v, do, u_bar, w_bar, z_bar, out), stats, delta, a, c, key_mask, heads, *scalars,
             head_dim=head_dim, dtype=q.dtype, length=n, **constants, SWEEP=sweep,
         )
 
@@ -489,10 +392,8 @@ def bob(
     row_sweep("bob_q_bar", out=q_bar)  # Q-bar, from A and C
     row_sweep("bob_do_bar", out=do_bar)  # dO-bar, from A
     configs.launch(  # K-bar and V-bar, from A and C
-        "bob_cols", _bob_columns_kernel, lambda meta: (triton.cdiv(m, meta["BLOCK_N"]), batch * kv_heads),
-        q, k, v, do, stats, delta, a, c, u_bar, w_bar, z_bar, k_bar, v_bar,
-        *strides(q), *strides(k), *strides(v), *strides(do), *strides(u_bar), *strides(w_bar), *strides(z_bar),
-        *strides(k_bar), *strides(v_bar), heads, kv_heads, heads // kv_heads, n, m, qk_scale, scale, key_mask,
-        head_dim=head_dim, dtype=q.dtype, length=m, **constants,
+        "bob_cols", _bob_columns_kernel, common.column_grid(m, batch * kv_heads),
+        *common.with_strides(q, k, v, do, u_bar, w_bar, z_bar, k_bar, v_bar), stats, delta, a, c, key_mask, heads,
+        kv_heads, *scalars, head_dim=head_dim, dtype=q.dtype, length=m, **constants,
     )
     return q_bar, k_bar, v_bar, do_bar

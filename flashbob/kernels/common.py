@@ -8,7 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flashbob.inputs import accumulator_dtype, check_inputs, check_triton_limits
+MAX_HEAD_DIM = 256
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # exp(x) = exp2(x * log2(e)): the kernels work in base 2.
 LOG2E = tl.constexpr(math.log2(math.e))
@@ -18,20 +19,61 @@ LOG2E = tl.constexpr(math.log2(math.e))
 
 
 @triton.jit
-def query_block(heads, group, BLOCK_M: tl.constexpr):
+def query_block(heads, group, KEY_MASK, M, BLOCK_M: tl.constexpr):
     """Where a row kernel's program works (grid: query blocks x ``batch * heads``): its first query
-    ``start_m``, its query ``rows``, ``batch_head = batch * heads + head``, ``batch``, ``head`` and the
-    kv head it reads (``group`` query heads share one)."""
+    ``start_m``, its query ``rows``, ``batch_head = batch * heads + head``, ``batch``, ``head``, the kv head
+    it reads (``group`` query heads share one) and its row of the key-padding mask (:func:`key_mask_pointer`)."""
     start_m = tl.program_id(0) * BLOCK_M
     batch_head = tl.program_id(1)
     batch, head = batch_head // heads, batch_head % heads
-    return start_m, start_m + tl.arange(0, BLOCK_M), batch_head, batch, head, head // group
+    key_mask_base = key_mask_pointer(KEY_MASK, batch, M)
+    return start_m, start_m + tl.arange(0, BLOCK_M), batch_head, batch, head, head // group, key_mask_base
+
+
+@triton.jit
+def key_block(kv_heads, KEY_MASK, M, BLOCK_N: tl.constexpr):
+    """Where a column kernel's program works (grid: key blocks x ``batch * kv_heads``): its first key
+    ``start_n``, its ``keys``, ``batch``, the ``kv_head`` whose keys they are and its row of the
+    key-padding mask (:func:`key_mask_pointer`)."""
+    start_n = tl.program_id(0) * BLOCK_N
+    batch_kv_head = tl.program_id(1)
+    batch, kv_head = batch_kv_head // kv_heads, batch_kv_head % kv_heads
+    key_mask_base = key_mask_pointer(KEY_MASK, batch, M)
+    return start_n, start_n + tl.arange(0, BLOCK_N), batch, kv_head, key_mask_base
+
+
+@triton.jit
+def group_query_head(
+    Q, DO, STATS, DELTA, batch, heads, kv_head, group, member, N, stride_qb, stride_qh, stride_dob, stride_doh,
+):
+    """The ``member``-th of the ``group`` query heads that share ``kv_head``, as a column kernel reads it: the
+    ``head``, ``batch_head = batch * heads + head`` and the starts of its Q, dO, softmax statistics and delta."""
+    head = kv_head * group + member
+    batch_head = batch * heads + head
+    q_base = head_pointer(Q, batch, head, stride_qb, stride_qh)
+    do_base = head_pointer(DO, batch, head, stride_dob, stride_doh)
+    stats_base = softmax_stats_pointer(STATS, batch_head, N)
+    delta_base = row_vector_pointer(DELTA, batch_head, N)
+    return head, batch_head, q_base, do_base, stats_base, delta_base
 
 
 @triton.jit
 def head_pointer(X, batch, head, stride_batch, stride_head):
     """Pointer to the ``(rows, head_dim)`` matrix of one (batch, head), offsets in int64."""
     return X + batch.to(tl.int64) * stride_batch + head.to(tl.int64) * stride_head
+
+
+@triton.jit
+def head_pointers(
+    X, Y, DX, DY, batch, head, stride_xb, stride_xh, stride_yb, stride_yh, stride_dxb, stride_dxh, stride_dyb,
+    stride_dyh,
+):
+    """:func:`head_pointer` of two operands and of their directions, the tiles that :func:`load_tile_group` reads."""
+    x_base = head_pointer(X, batch, head, stride_xb, stride_xh)
+    y_base = head_pointer(Y, batch, head, stride_yb, stride_yh)
+    dx_base = head_pointer(DX, batch, head, stride_dxb, stride_dxh)
+    dy_base = head_pointer(DY, batch, head, stride_dyb, stride_dyh)
+    return x_base, y_base, dx_base, dy_base
 
 
 @triton.jit
@@ -59,6 +101,19 @@ def row_vector_pointer(X, batch_head, n_rows):
     """Pointer to the row statistics (delta, A, C) of one (batch, head) in a contiguous
     ``(batch, heads, n_rows)`` tensor; ``batch_head = batch * heads + head``."""
     return X + batch_head.to(tl.int64) * n_rows
+
+
+@triton.jit
+def load_rows(base, rows, n_rows):
+    """Entries ``rows`` of a row statistic (delta, A, C, ...) whose row 0 is at ``base``; 0 past ``n_rows``."""
+    return tl.load(base + rows, mask=rows < n_rows, other=0.0)
+
+
+@triton.jit
+def store_rows(base, values, rows, n_rows):
+    """Store ``values`` into entries ``rows`` of a row statistic whose row 0 is at ``base``; rows past
+    ``n_rows`` are dropped."""
+    tl.store(base + rows, values, mask=rows < n_rows)
 
 
 @triton.jit
@@ -170,6 +225,21 @@ def optional_tile(X, rows, n_rows, stride_row, placeholder, HEAD_DIM: tl.constex
 
 
 @triton.jit
+def load_tile_group(
+    x_base, y_base, dx_base, dy_base, stride_x, stride_y, stride_dx, stride_dy, rows, n_rows,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DX: tl.constexpr, HAS_DY: tl.constexpr,
+):
+    r"""Rows ``rows`` of two operands ``x``, ``y`` and of their optional directions ``dx``, ``dy``
+    (cotangents or tangents: e.g. :math:`K, V, \bar W, \bar Z` or :math:`Q, dO, \dot Q, d\dot O`), in that
+    order; ``x`` and ``y`` stand in for an absent ``dx`` and ``dy`` (:func:`optional_tile`)."""
+    x = load_tile(x_base, rows, n_rows, stride_x, HEAD_DIM, BLOCK_D)
+    y = load_tile(y_base, rows, n_rows, stride_y, HEAD_DIM, BLOCK_D)
+    dx = optional_tile(dx_base, rows, n_rows, stride_dx, x, HEAD_DIM, BLOCK_D, PRESENT=HAS_DX)
+    dy = optional_tile(dy_base, rows, n_rows, stride_dy, y, HEAD_DIM, BLOCK_D, PRESENT=HAS_DY)
+    return x, y, dx, dy
+
+
+@triton.jit
 def tile_product(x, y, TRANSPOSED: tl.constexpr, PRECISION: tl.constexpr):
     r"""The tile :math:`x y^\top` of a block of query-side rows ``x`` and key-side rows ``y``
     (queries by keys), or its transpose :math:`y x^\top` (keys by queries) when ``TRANSPOSED``."""
@@ -196,14 +266,41 @@ def bilinear_tile(x, dx, y, dy, HAS_DX: tl.constexpr, HAS_DY: tl.constexpr, TRAN
     return product
 
 
+@triton.jit
+def add_product_change(acc, p, g, dp_centered, y, dy, HAS_DY: tl.constexpr, PRECISION: tl.constexpr):
+    r"""``acc`` plus the change of :math:`dS\, Y` (:math:`dS = P \circ (dP - \Delta)`) along a direction:
+    :math:`(P \circ G)\, Y + dS\, \dot Y`, where :math:`P \circ G` is the change of dS and ``dy`` the change
+    of ``y`` (its term compiled out without ``HAS_DY``). The score-shaped factors are rounded to the
+    dtype of the rows they multiply. E.g. BoB's :math:`\bar Q / \tau \mathrel{+}= G_S K + dS\, \bar W`, or
+    forward mode's :math:`d\dot Q / \tau \mathrel{+}= d\dot S K + dS \dot K`; keys by queries in column sweeps."""
+    acc += tl.dot((p * g).to(y.dtype), y, input_precision=PRECISION)
+    if HAS_DY:
+        acc += tl.dot((p * dp_centered).to(dy.dtype), dy, input_precision=PRECISION)
+    return acc
+
+
 # ----------------------------------------------------------------------------- host helpers
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Raise unless ``q (B, H, N, d)``, ``k, v (B, Hkv, M, d)`` are attention inputs the kernels can
-    launch (:func:`flashbob.inputs.check_inputs`, :func:`flashbob.inputs.check_triton_limits`)."""
-    check_inputs(q, k, v)
-    check_triton_limits(q, k)
+    """Raise ValueError unless ``q (B, H, N, d)``, ``k, v (B, Hkv, M, d)`` fit the kernels."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-d (batch, heads, seq, head_dim); got {q.dim()}, {k.dim()}, {v.dim()}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    batch, heads, _, head_dim = q.shape
+    if k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(f"k must be (batch={batch}, kv_heads, M, head_dim={head_dim}); got {tuple(k.shape)}")
+    if k.shape[1] == 0 or heads % k.shape[1] != 0:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({k.shape[1]})")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be between 1 and {MAX_HEAD_DIM}; got head_dim={head_dim}")
+    if q.shape[2] < 1 or k.shape[2] < 1:
+        raise ValueError(f"sequence lengths must be >= 1; got N={q.shape[2]}, M={k.shape[2]}")
+    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype of {SUPPORTED_DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
 
 
 def key_mask_operand(key_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -252,6 +349,11 @@ def logsumexp(stats: torch.Tensor) -> torch.Tensor:
     return (stats[:, :, 0] + stats[:, :, 1]) / LOG2E.value
 
 
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 for float64 inputs, else float32: the dtype of P, the row statistics and accumulators."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def dot_precision(dtype: torch.dtype, allow_tf32: bool) -> str:
     """``input_precision`` of ``tl.dot``: tf32 only for float32 inputs that allow it."""
     return "tf32" if dtype == torch.float32 and allow_tf32 else "ieee"
@@ -265,3 +367,37 @@ def head_dim_block(head_dim: int) -> int:
 def strides(x: torch.Tensor) -> tuple[int, int, int]:
     """(batch, head, row) strides of a ``(B, H, rows, d)`` tensor with unit stride along d."""
     return x.stride(0), x.stride(1), x.stride(2)
+
+
+def with_strides(*tensors: torch.Tensor) -> tuple:
+    """A kernel's leading arguments: the ``(B, H, rows, d)`` operands ``tensors``, then the
+    :func:`strides` of each, in the same order."""
+    return (*tensors, *(s for x in tensors for s in strides(x)))
+
+
+def row_grid(n: int, batch_heads: int):
+    """The launch grid of a row kernel: a program per block of ``BLOCK_M`` of the ``n`` queries and per
+    (batch, head)."""
+    return lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch_heads)
+
+
+def column_grid(m: int, batch_kv_heads: int):
+    """The launch grid of a column kernel: a program per block of ``BLOCK_N`` of the ``m`` keys and per
+    (batch, kv head)."""
+    return lambda meta: (triton.cdiv(m, meta["BLOCK_N"]), batch_kv_heads)
+
+
+def check_shaped_like(*named: tuple[str, torch.Tensor | None, torch.Tensor]) -> None:
+    """Raise ValueError unless each present ``x`` of ``(name, x, like)`` has the shape of ``like``."""
+    for name, x, like in named:
+        if x is not None and x.shape != like.shape:
+            raise ValueError(f"{name} must have shape {tuple(like.shape)}; got {tuple(x.shape)}")
+
+
+def kernel_constants(q: torch.Tensor, causal: bool, allow_tf32: bool, has_key_mask: bool, **flags: bool) -> dict:
+    """The compile-time arguments of every attention kernel for inputs like ``q``, plus ``flags``
+    (which cotangents or tangents are present)."""
+    head_dim = q.shape[-1]
+    return dict(HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), CAUSAL=causal,
+                PRECISION=dot_precision(q.dtype, allow_tf32), HAS_KEY_MASK=has_key_mask, **flags)
+

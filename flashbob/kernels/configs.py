@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import triton
@@ -33,63 +35,20 @@ class BlockConfig:
     num_stages: int
 
 
-def _space(*configs: tuple[int, int, int, int]) -> tuple[BlockConfig, ...]:
-    return tuple(BlockConfig(*c) for c in configs)
+def _load_spaces() -> tuple[dict[str, tuple[BlockConfig, ...]], dict[str, tuple[int, int, int, int]]]:
+    """The candidates and footprint of every kernel from ``spaces.json`` beside this module."""
+    table = json.loads((Path(__file__).with_name("spaces.json")).read_text())
+    spaces = {kernel: tuple(BlockConfig(*c) for c in entry["candidates"]) for kernel, entry in table.items()}
+    return spaces, {kernel: tuple(entry["footprint"]) for kernel, entry in table.items()}
 
 
-# Candidates per kernel for 16-bit inputs; the first one that fits is the default (no tuning):
-# the configs autotuning picked on an H200 for d = 128, bf16, N = 8K-64K (docs/performance.md).
-SPACES = {
-    "forward": _space((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4),
-                      (64, 32, 8, 2), (64, 128, 4, 3), (32, 32, 4, 1)),
-    "delta": _space((64, 1, 4, 1)),
-    "dq": _space((64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 2),
-                 (64, 128, 8, 2), (32, 32, 8, 1), (16, 16, 4, 1)),
-    "dkdv": _space((32, 64, 4, 2), (32, 64, 8, 2), (64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2),
-                   (64, 64, 4, 3), (32, 32, 8, 1), (16, 16, 4, 1)),
-    # BoB's sweeps (kernels/bob.py): the scalar sweep keeps no d-vector accumulator, the Q-bar and
-    # dO-bar sweeps one each; the first candidates are the H200's picks (d = 128, bf16, N = 16K)
-    "bob_scalars": _space((128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2), (64, 128, 8, 2),
-                          (32, 64, 4, 2), (32, 32, 4, 1), (16, 16, 4, 1)),
-    "bob_q_bar": _space((64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2),
-                        (32, 64, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)),
-    "bob_do_bar": _space((128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2),
-                         (32, 64, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)),
-    "bob_cols": _space((64, 32, 4, 2), (64, 32, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2),
-                       (64, 128, 8, 2), (32, 32, 8, 1), (16, 16, 4, 1)),
-    # forward mode (kernels/jvp.py): the first candidate that fits is what autotuning picked on the H200 (bf16,
-    # H = 16, N = 16K, causal and not; 2026-12-01) for d = 64; for d = 128, fits() prunes the first ones (3
-    # stages of jvp_fwd/jvp_rows do not fit in shared memory, 64-key/64-query score tiles of jvp_dq/jvp_cols
-    # spill) and the next is the d = 128 pick
-    "jvp_fwd": _space((128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (128, 128, 8, 3),
-                      (32, 64, 4, 2), (32, 32, 4, 1), (16, 16, 4, 1)),
-    "jvp_rows": _space((128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2),
-                       (32, 64, 4, 2), (32, 32, 4, 1), (16, 16, 4, 1)),
-    "jvp_dq": _space((128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2),
-                     (128, 32, 8, 2), (64, 32, 4, 3), (32, 64, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)),
-    "jvp_cols": _space((64, 64, 4, 2), (32, 128, 8, 3), (32, 128, 8, 2), (64, 64, 4, 3), (16, 128, 8, 2),
-                       (64, 128, 8, 2), (32, 64, 4, 2), (32, 32, 8, 1), (16, 16, 4, 1)),
-}
+# Candidates per kernel for 16-bit inputs, the first one that fits being the default (no tuning), and each
+# kernel's footprint: live tiles per program, as (accumulators over the outer block, 16-bit input tiles over
+# the outer block, score-shaped tiles block_m x block_n, tiles streamed per loop step over the inner block).
+# spaces.json says where the defaults come from.
+SPACES, _FOOTPRINT = _load_spaces()
 KERNELS = tuple(SPACES)
 
-# Live tiles per program, as (accumulators over the outer block, 16-bit input tiles over the outer
-# block, score-shaped tiles block_m x block_n, tiles streamed per loop step over the inner block).
-_FOOTPRINT = {
-    "forward": (1, 1, 2, 2),
-    "delta": (0, 2, 0, 0),
-    "dq": (1, 2, 3, 2),
-    "dkdv": (2, 2, 3, 2),
-    "bob_scalars": (0, 3, 5, 4),
-    "bob_q_bar": (1, 3, 5, 4),
-    "bob_do_bar": (1, 2, 3, 4),
-    "bob_cols": (2, 4, 5, 3),
-    # forward mode: fitted to the H200's compiler reports (registers, shared memory: the q-side tiles of
-    # the row sweeps sit in shared memory, counted as streamed tiles here)
-    "jvp_fwd": (1, 2, 3, 5),
-    "jvp_rows": (0, 3, 4, 5),
-    "jvp_dq": (1, 3, 5, 6),
-    "jvp_cols": (2, 2, 4, 4),
-}
 COLUMN_KERNELS = ("dkdv", "bob_cols", "jvp_cols")  # outer block of keys (block_n), inner of queries
 MAX_REGISTERS_PER_THREAD = 256  # sm_90 has 255 per thread: over this estimate a config cannot fit
 MAX_SHARED_BYTES = 220 * 1024  # sm_90 allows 227 KiB per block

@@ -6,25 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import configs
-from .common import (
-    LOG2E,
-    accumulator_dtype,
-    check_qkv,
-    dot_precision,
-    head_dim_block,
-    head_pointer,
-    key_mask_operand,
-    key_mask_pointer,
-    load_tile,
-    operand,
-    query_block,
-    row_block_key_ranges,
-    softmax_stats_pointer,
-    store_tile,
-    strides,
-    visible_keys,
-)
+from . import common, configs
 
 
 @triton.jit
@@ -44,10 +26,10 @@ def _forward_inner(
     """
     for start_n in range(start, end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
-        k = load_tile(k_base, keys, M, stride_kn, HEAD_DIM, BLOCK_D)
-        v = load_tile(v_base, keys, M, stride_vn, HEAD_DIM, BLOCK_D)
+        k = common.load_tile(k_base, keys, M, stride_kn, HEAD_DIM, BLOCK_D)
+        v = common.load_tile(v_base, keys, M, stride_vn, HEAD_DIM, BLOCK_D)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        visible = visible_keys(rows, keys, M, key_mask_base, MASK_CAUSAL=MASK_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK)
+        visible = common.visible_keys(rows, keys, M, key_mask_base, MASK_CAUSAL=MASK_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK)
         scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         if HAS_KEY_MASK:
@@ -64,10 +46,11 @@ def _forward_inner(
 
 @triton.jit
 def _forward_kernel(
-    Q, K, V, O, STATS,
+    Q, K, V,
+    O,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-    heads, group, N, M, qk_scale, KEY_MASK,
+    STATS, KEY_MASK, heads, group, N, M, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
@@ -75,18 +58,18 @@ def _forward_kernel(
     (:func:`~flashbob.kernels.common.load_softmax_stats`) for one query block; causal: key blocks right
     of the diagonal are skipped, diagonal ones masked. Rows that see no key (key-padding mask) store
     :math:`O_i = 0` and :math:`(+\infty, 0)`."""
-    start_m, rows, batch_head, batch, head, kv_head = query_block(heads, group, BLOCK_M)
-    k_base = head_pointer(K, batch, kv_head, stride_kb, stride_kh)
-    v_base = head_pointer(V, batch, kv_head, stride_vb, stride_vh)
-    key_mask_base = key_mask_pointer(KEY_MASK, batch, M)
+    start_m, rows, batch_head, batch, head, kv_head, key_mask_base = common.query_block(heads, group, KEY_MASK, M, BLOCK_M)
+    k_base = common.head_pointer(K, batch, kv_head, stride_kb, stride_kh)
+    v_base = common.head_pointer(V, batch, kv_head, stride_vb, stride_vh)
 
-    q = load_tile(head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM, BLOCK_D)
+    q = common.load_tile(common.head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM,
+                         BLOCK_D)
     acc_dtype = STATS.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=acc_dtype)
     row_sum = tl.zeros([BLOCK_M], dtype=acc_dtype)
 
-    unmasked_end, end = row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
+    unmasked_end, end = common.row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
     acc, row_max, row_sum = _forward_inner(
         acc, row_max, row_sum, q, k_base, v_base, stride_kn, stride_vn, rows, 0, unmasked_end, M, qk_scale,
         key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION, HAS_KEY_MASK,
@@ -97,14 +80,14 @@ def _forward_kernel(
             qk_scale, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, HAS_KEY_MASK,
         )
 
-    o_base = head_pointer(O, batch, head, stride_ob, stride_oh)
+    o_base = common.head_pointer(O, batch, head, stride_ob, stride_oh)
     if HAS_KEY_MASK:
         seen = row_sum > 0
         row_sum = tl.where(seen, row_sum, 1.0)
         row_max = tl.where(seen, row_max, float("inf"))
     o = acc / row_sum[:, None]
-    store_tile(o_base, o, rows, N, stride_on, HEAD_DIM, BLOCK_D)
-    stats_base = softmax_stats_pointer(STATS, batch_head, N)
+    common.store_tile(o_base, o, rows, N, stride_on, HEAD_DIM, BLOCK_D)
+    stats_base = common.softmax_stats_pointer(STATS, batch_head, N)
     tl.store(stats_base + rows, row_max, mask=rows < N)
     tl.store(stats_base + N + rows, tl.log2(row_sum), mask=rows < N)
 
@@ -135,18 +118,16 @@ def forward(
         in float32 (float64 for float64 inputs), the input of :func:`backward` and :func:`bob`;
         :func:`~flashbob.kernels.common.logsumexp` turns it into the row log-sum-exp.
     """
-    check_qkv(q, k, v)
-    key_mask, has_key_mask = key_mask_operand(key_mask, q, k)
-    q, k, v = (operand(x, q) for x in (q, k, v))
+    common.check_qkv(q, k, v)
+    key_mask, has_key_mask = common.key_mask_operand(key_mask, q, k)
+    q, k, v = (common.operand(x, q) for x in (q, k, v))
     batch, heads, n, head_dim = q.shape
     kv_heads, m = k.shape[1], k.shape[2]
     o = torch.empty_like(q)
-    stats = torch.empty((batch, heads, 2, n), dtype=accumulator_dtype(q.dtype), device=q.device)
+    stats = torch.empty((batch, heads, 2, n), dtype=common.accumulator_dtype(q.dtype), device=q.device)
     configs.launch(
-        "forward", _forward_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads),
-        q, k, v, o, stats, *strides(q), *strides(k), *strides(v), *strides(o),
-        heads, heads // kv_heads, n, m, scale * LOG2E.value, key_mask, head_dim=head_dim, dtype=q.dtype, length=n,
-        HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), CAUSAL=causal, PRECISION=dot_precision(q.dtype, allow_tf32),
-        HAS_KEY_MASK=has_key_mask,
+        "forward", _forward_kernel, common.row_grid(n, batch * heads), *common.with_strides(q, k, v, o), stats,
+        key_mask, heads, heads // kv_heads, n, m, scale * common.LOG2E.value, head_dim=head_dim, dtype=q.dtype,
+        length=n, **common.kernel_constants(q, causal, allow_tf32, has_key_mask),
     )
     return o, stats

@@ -25,32 +25,23 @@ import torch
 import triton
 import triton.language as tl
 
-from . import configs
-from .common import (
-    LOG2E,
-    bilinear_tile,
-    check_qkv,
-    column_block_masked_end,
-    dot_precision,
-    head_dim_block,
-    head_pointer,
-    key_mask_operand,
-    key_mask_pointer,
-    load_softmax_stats,
-    load_tile,
-    operand,
-    optional_tile,
-    probabilities,
-    probabilities_transposed,
-    query_block,
-    row_block_key_ranges,
-    row_statistic,
-    row_vector_pointer,
-    softmax_stats,
-    softmax_stats_pointer,
-    store_tile,
-    strides,
-)
+from . import common, configs
+
+
+@triton.jit
+def _p_s_dot(
+    p, q, q_dot, k, v_base, k_dot_base, stride_vn, stride_kdn, keys, M, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    r"""The V tile of keys ``keys`` and :math:`P \circ \dot S` with :math:`\dot S = \tau(\dot Q K^\top + Q \dot K^\top)`
+    (queries by keys; at least one of :math:`\dot Q, \dot K` present)."""
+    v = common.load_tile(v_base, keys, M, stride_vn, HEAD_DIM, BLOCK_D)
+    k_dot = common.optional_tile(k_dot_base, keys, M, stride_kdn, k, HEAD_DIM, BLOCK_D, PRESENT=HAS_K_DOT)
+    s_dot = scale * common.bilinear_tile(q, q_dot, k, k_dot, HAS_DX=HAS_Q_DOT, HAS_DY=HAS_K_DOT, TRANSPOSED=False,
+                                         PRECISION=PRECISION)
+    return v, p * s_dot
+
 
 # ----------------------------------------------------------------------------- row sweep: O-dot (forward mode)
 
@@ -76,53 +67,50 @@ def _o_dot_inner(
     """
     for start_n in range(start, end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
-        k = load_tile(k_base, keys, M, stride_kn, HEAD_DIM, BLOCK_D)
-        p = probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
-                          MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
+        k = common.load_tile(k_base, keys, M, stride_kn, HEAD_DIM, BLOCK_D)
+        p = common.probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
+                                 MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
         if HAS_Q_DOT or HAS_K_DOT:
-            v = load_tile(v_base, keys, M, stride_vn, HEAD_DIM, BLOCK_D)
-            k_dot = optional_tile(k_dot_base, keys, M, stride_kdn, k, HEAD_DIM, BLOCK_D, PRESENT=HAS_K_DOT)
-            s_dot = scale * bilinear_tile(q, q_dot, k, k_dot, HAS_DX=HAS_Q_DOT, HAS_DY=HAS_K_DOT, TRANSPOSED=False,
-                                          PRECISION=PRECISION)
-            p_s_dot = p * s_dot
+            v, p_s_dot = _p_s_dot(p, q, q_dot, k, v_base, k_dot_base, stride_vn, stride_kdn, keys, M, scale, HEAD_DIM,
+                                  BLOCK_D, HAS_Q_DOT=HAS_Q_DOT, HAS_K_DOT=HAS_K_DOT, PRECISION=PRECISION)
             p_s_dot_rounded = p_s_dot.to(v.dtype)
             r_rounded += tl.sum(p_s_dot_rounded.to(r_rounded.dtype), 1)
             acc += tl.dot(p_s_dot_rounded, v, input_precision=PRECISION)
         if HAS_V_DOT:
-            v_dot = load_tile(v_dot_base, keys, M, stride_vdn, HEAD_DIM, BLOCK_D)
+            v_dot = common.load_tile(v_dot_base, keys, M, stride_vdn, HEAD_DIM, BLOCK_D)
             acc += tl.dot(p.to(v_dot.dtype), v_dot, input_precision=PRECISION)
     return acc, r_rounded
 
 
 @triton.jit
 def _o_dot_kernel(
-    Q, K, V, O, Q_DOT, K_DOT, V_DOT, STATS, O_DOT,
+    Q, K, V, O, Q_DOT, K_DOT, V_DOT,
+    O_DOT,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on,
     stride_qdb, stride_qdh, stride_qdn, stride_kdb, stride_kdh, stride_kdn, stride_vdb, stride_vdh, stride_vdn,
     stride_odb, stride_odh, stride_odn,
-    heads, group, N, M, qk_scale, scale, KEY_MASK,
+    STATS, KEY_MASK, heads, group, N, M, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr,
     PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
     r"""One query block's :math:`\dot O = \mathrm{acc} - \tilde r \circ O` (:func:`_o_dot_inner`); key
     blocks split as in the forward. Rows that see no key have P = 0 and O = 0, so :math:`\dot O = 0`."""
-    start_m, rows, batch_head, batch, head, kv_head = query_block(heads, group, BLOCK_M)
-    key_mask_base = key_mask_pointer(KEY_MASK, batch, M)
+    start_m, rows, batch_head, batch, head, kv_head, key_mask_base = common.query_block(heads, group, KEY_MASK, M, BLOCK_M)
 
-    q = load_tile(head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM, BLOCK_D)
-    q_dot = optional_tile(head_pointer(Q_DOT, batch, head, stride_qdb, stride_qdh), rows, N, stride_qdn, q,
-                          HEAD_DIM, BLOCK_D, PRESENT=HAS_Q_DOT)
+    q = common.load_tile(common.head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM,
+                         BLOCK_D)
+    q_dot = common.optional_tile(common.head_pointer(Q_DOT, batch, head, stride_qdb, stride_qdh), rows, N, stride_qdn,
+                                 q, HEAD_DIM, BLOCK_D, PRESENT=HAS_Q_DOT)
     acc_dtype = STATS.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
     r_rounded = tl.zeros([BLOCK_M], dtype=acc_dtype)
-    row_max, log_sum = load_softmax_stats(softmax_stats_pointer(STATS, batch_head, N), rows, N)
-    k_base = head_pointer(K, batch, kv_head, stride_kb, stride_kh)
-    v_base = head_pointer(V, batch, kv_head, stride_vb, stride_vh)
-    k_dot_base = head_pointer(K_DOT, batch, kv_head, stride_kdb, stride_kdh)
-    v_dot_base = head_pointer(V_DOT, batch, kv_head, stride_vdb, stride_vdh)
-    unmasked_end, end = row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
+    row_max, log_sum = common.load_softmax_stats(common.softmax_stats_pointer(STATS, batch_head, N), rows, N)
+    k_base, v_base, k_dot_base, v_dot_base = common.head_pointers(K, V, K_DOT, V_DOT, batch, kv_head, stride_kb,
+                                                                  stride_kh, stride_vb, stride_vh, stride_kdb,
+                                                                  stride_kdh, stride_vdb, stride_vdh)
+    unmasked_end, end = common.row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
     acc, r_rounded = _o_dot_inner(
         acc, r_rounded, q, q_dot, row_max, log_sum, k_base, v_base, k_dot_base, v_dot_base,
         stride_kn, stride_vn, stride_kdn, stride_vdn, rows, 0, unmasked_end, M, qk_scale, scale, key_mask_base,
@@ -135,9 +123,10 @@ def _o_dot_kernel(
             key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION,
             HAS_KEY_MASK,
         )
-    o = load_tile(head_pointer(O, batch, head, stride_ob, stride_oh), rows, N, stride_on, HEAD_DIM, BLOCK_D)
-    o_dot_base = head_pointer(O_DOT, batch, head, stride_odb, stride_odh)
-    store_tile(o_dot_base, acc - r_rounded[:, None] * o.to(acc_dtype), rows, N, stride_odn, HEAD_DIM, BLOCK_D)
+    o = common.load_tile(common.head_pointer(O, batch, head, stride_ob, stride_oh), rows, N, stride_on, HEAD_DIM,
+                         BLOCK_D)
+    o_dot_base = common.head_pointer(O_DOT, batch, head, stride_odb, stride_odh)
+    common.store_tile(o_dot_base, acc - r_rounded[:, None] * o.to(acc_dtype), rows, N, stride_odn, HEAD_DIM, BLOCK_D)
 
 
 # ----------------------------------------------------------------------------- row sweep: r-dot, Delta-dot
@@ -156,20 +145,17 @@ def _row_scalars_inner(
     which is :math:`dO_i \cdot \dot O_i` (:math:`\sum_j P_{ij} (dP_{ij} - \Delta_i) = 0`), all in float32."""
     for start_n in range(start, end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
-        k = load_tile(k_base, keys, M, stride_kn, HEAD_DIM, BLOCK_D)
-        p = probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
-                          MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
+        k = common.load_tile(k_base, keys, M, stride_kn, HEAD_DIM, BLOCK_D)
+        p = common.probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
+                                 MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
         x = tl.zeros_like(p)
         if HAS_Q_DOT or HAS_K_DOT:
-            v = load_tile(v_base, keys, M, stride_vn, HEAD_DIM, BLOCK_D)
-            k_dot = optional_tile(k_dot_base, keys, M, stride_kdn, k, HEAD_DIM, BLOCK_D, PRESENT=HAS_K_DOT)
-            s_dot = scale * bilinear_tile(q, q_dot, k, k_dot, HAS_DX=HAS_Q_DOT, HAS_DY=HAS_K_DOT, TRANSPOSED=False,
-                                          PRECISION=PRECISION)
-            p_s_dot = p * s_dot
+            v, p_s_dot = _p_s_dot(p, q, q_dot, k, v_base, k_dot_base, stride_vn, stride_kdn, keys, M, scale, HEAD_DIM,
+                                  BLOCK_D, HAS_Q_DOT=HAS_Q_DOT, HAS_K_DOT=HAS_K_DOT, PRECISION=PRECISION)
             r_dot += tl.sum(p_s_dot, 1)
             x += p_s_dot * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
         if HAS_V_DOT:
-            v_dot = load_tile(v_dot_base, keys, M, stride_vdn, HEAD_DIM, BLOCK_D)
+            v_dot = common.load_tile(v_dot_base, keys, M, stride_vdn, HEAD_DIM, BLOCK_D)
             x += p * tl.dot(do, tl.trans(v_dot), input_precision=PRECISION)
         delta_dot += tl.sum(x, 1)
     return r_dot, delta_dot
@@ -177,12 +163,12 @@ def _row_scalars_inner(
 
 @triton.jit
 def _row_scalars_kernel(
-    Q, K, V, O, DO, Q_DOT, K_DOT, V_DOT, DO_DOT, STATS, DELTA, R_DOT, DELTA_DOT,
+    Q, K, V, O, DO, Q_DOT, K_DOT, V_DOT, DO_DOT,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
     stride_qdb, stride_qdh, stride_qdn, stride_kdb, stride_kdh, stride_kdn, stride_vdb, stride_vdh, stride_vdn,
     stride_dodb, stride_dodh, stride_dodn,
-    heads, group, N, M, qk_scale, scale, KEY_MASK,
+    STATS, DELTA, R_DOT, DELTA_DOT, KEY_MASK, heads, group, N, M, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr,
     HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
@@ -192,24 +178,24 @@ def _row_scalars_kernel(
     d-vector accumulator, :math:`\dot O` itself is never formed); key blocks split as in the forward, the
     sweep compiled out without :math:`\dot Q, \dot K, \dot V`. Rows that see no key have P = 0 and O = 0,
     so both are 0."""
-    start_m, rows, batch_head, batch, head, kv_head = query_block(heads, group, BLOCK_M)
-    key_mask_base = key_mask_pointer(KEY_MASK, batch, M)
+    start_m, rows, batch_head, batch, head, kv_head, key_mask_base = common.query_block(heads, group, KEY_MASK, M, BLOCK_M)
 
     acc_dtype = STATS.dtype.element_ty
     r_dot = tl.zeros([BLOCK_M], dtype=acc_dtype)
     delta_dot = tl.zeros([BLOCK_M], dtype=acc_dtype)
     if HAS_Q_DOT or HAS_K_DOT or HAS_V_DOT:
-        q = load_tile(head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM, BLOCK_D)
-        q_dot = optional_tile(head_pointer(Q_DOT, batch, head, stride_qdb, stride_qdh), rows, N, stride_qdn, q,
-                              HEAD_DIM, BLOCK_D, PRESENT=HAS_Q_DOT)
-        do = load_tile(head_pointer(DO, batch, head, stride_dob, stride_doh), rows, N, stride_don, HEAD_DIM, BLOCK_D)
-        row_max, log_sum = load_softmax_stats(softmax_stats_pointer(STATS, batch_head, N), rows, N)
-        delta = tl.load(row_vector_pointer(DELTA, batch_head, N) + rows, mask=rows < N, other=0.0)
-        k_base = head_pointer(K, batch, kv_head, stride_kb, stride_kh)
-        v_base = head_pointer(V, batch, kv_head, stride_vb, stride_vh)
-        k_dot_base = head_pointer(K_DOT, batch, kv_head, stride_kdb, stride_kdh)
-        v_dot_base = head_pointer(V_DOT, batch, kv_head, stride_vdb, stride_vdh)
-        unmasked_end, end = row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
+        q = common.load_tile(common.head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM,
+                             BLOCK_D)
+        q_dot = common.optional_tile(common.head_pointer(Q_DOT, batch, head, stride_qdb, stride_qdh), rows, N,
+                                     stride_qdn, q, HEAD_DIM, BLOCK_D, PRESENT=HAS_Q_DOT)
+        do = common.load_tile(common.head_pointer(DO, batch, head, stride_dob, stride_doh), rows, N, stride_don,
+                              HEAD_DIM, BLOCK_D)
+        row_max, log_sum = common.load_softmax_stats(common.softmax_stats_pointer(STATS, batch_head, N), rows, N)
+        delta = common.load_rows(common.row_vector_pointer(DELTA, batch_head, N), rows, N)
+        k_base, v_base, k_dot_base, v_dot_base = common.head_pointers(K, V, K_DOT, V_DOT, batch, kv_head, stride_kb,
+                                                                      stride_kh, stride_vb, stride_vh, stride_kdb,
+                                                                      stride_kdh, stride_vdb, stride_vdh)
+        unmasked_end, end = common.row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
         r_dot, delta_dot = _row_scalars_inner(
             r_dot, delta_dot, q, q_dot, do, row_max, log_sum, delta, k_base, v_base, k_dot_base, v_dot_base,
             stride_kn, stride_vn, stride_kdn, stride_vdn, rows, 0, unmasked_end, M, qk_scale, scale, key_mask_base,
@@ -223,12 +209,13 @@ def _row_scalars_kernel(
                 HAS_KEY_MASK,
             )
     if HAS_DO_DOT:
-        o = load_tile(head_pointer(O, batch, head, stride_ob, stride_oh), rows, N, stride_on, HEAD_DIM, BLOCK_D)
-        do_dot = load_tile(head_pointer(DO_DOT, batch, head, stride_dodb, stride_dodh), rows, N, stride_dodn,
-                           HEAD_DIM, BLOCK_D)
+        o = common.load_tile(common.head_pointer(O, batch, head, stride_ob, stride_oh), rows, N, stride_on, HEAD_DIM,
+                             BLOCK_D)
+        do_dot = common.load_tile(common.head_pointer(DO_DOT, batch, head, stride_dodb, stride_dodh), rows, N,
+                                  stride_dodn, HEAD_DIM, BLOCK_D)
         delta_dot += tl.sum(do_dot.to(acc_dtype) * o.to(acc_dtype), 1)
-    tl.store(row_vector_pointer(R_DOT, batch_head, N) + rows, r_dot, mask=rows < N)
-    tl.store(row_vector_pointer(DELTA_DOT, batch_head, N) + rows, delta_dot, mask=rows < N)
+    common.store_rows(common.row_vector_pointer(R_DOT, batch_head, N), r_dot, rows, N)
+    common.store_rows(common.row_vector_pointer(DELTA_DOT, batch_head, N), delta_dot, rows, N)
 
 
 # ----------------------------------------------------------------------------- row sweep: dQ-dot
@@ -248,62 +235,60 @@ def _dq_dot_inner(
     :math:`d\dot S = P \circ ((\dot S - \dot r) \circ (dP - \Delta) + d\dot P - \dot\Delta)`."""
     for start_n in range(start, end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
-        k = load_tile(k_base, keys, M, stride_kn, HEAD_DIM, BLOCK_D)
-        v = load_tile(v_base, keys, M, stride_vn, HEAD_DIM, BLOCK_D)
-        k_dot = optional_tile(k_dot_base, keys, M, stride_kdn, k, HEAD_DIM, BLOCK_D, PRESENT=HAS_K_DOT)
-        v_dot = optional_tile(v_dot_base, keys, M, stride_vdn, v, HEAD_DIM, BLOCK_D, PRESENT=HAS_V_DOT)
-        p = probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
-                          MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
+        k, v, k_dot, v_dot = common.load_tile_group(k_base, v_base, k_dot_base, v_dot_base, stride_kn, stride_vn,
+                                                    stride_kdn, stride_vdn, keys, M, HEAD_DIM, BLOCK_D, HAS_K_DOT,
+                                                    HAS_V_DOT)
+        p = common.probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
+                                 MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
         dp_centered = tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None]
         g = tl.zeros_like(p) - delta_dot[:, None]
         if HAS_Q_DOT or HAS_K_DOT:
-            s_dot = scale * bilinear_tile(q, q_dot, k, k_dot, HAS_DX=HAS_Q_DOT, HAS_DY=HAS_K_DOT, TRANSPOSED=False,
-                                          PRECISION=PRECISION)
+            s_dot = scale * common.bilinear_tile(q, q_dot, k, k_dot, HAS_DX=HAS_Q_DOT, HAS_DY=HAS_K_DOT,
+                                                 TRANSPOSED=False, PRECISION=PRECISION)
             g += (s_dot - r_dot[:, None]) * dp_centered
-        if HAS_DO_DOT or HAS_V_DOT:
-            # dP-dot = dO-dot V^T + dO V-dot^T
-            g += bilinear_tile(do, do_dot, v, v_dot, HAS_DX=HAS_DO_DOT, HAS_DY=HAS_V_DOT, TRANSPOSED=False,
-                               PRECISION=PRECISION)
-        dq_dot += tl.dot((p * g).to(k.dtype), k, input_precision=PRECISION)
-        if HAS_K_DOT:
-            dq_dot += tl.dot((p * dp_centered).to(k_dot.dtype), k_dot, input_precision=PRECISION)
+        if HAS_DO_DOT or HAS_V_DOT:  # dP-dot = dO-dot V^T + dO V-dot^T
+            g += common.bilinear_tile(do, do_dot, v, v_dot, HAS_DX=HAS_DO_DOT, HAS_DY=HAS_V_DOT, TRANSPOSED=False,
+                                      PRECISION=PRECISION)
+        dq_dot = common.add_product_change(dq_dot, p, g, dp_centered, k, k_dot, HAS_DY=HAS_K_DOT, PRECISION=PRECISION)
     return dq_dot
 
 
 @triton.jit
 def _dq_dot_kernel(
-    Q, K, V, DO, Q_DOT, K_DOT, V_DOT, DO_DOT, STATS, DELTA, R_DOT, DELTA_DOT, DQ_DOT,
+    Q, K, V, DO, Q_DOT, K_DOT, V_DOT, DO_DOT,
+    DQ_DOT,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don,
     stride_qdb, stride_qdh, stride_qdn, stride_kdb, stride_kdh, stride_kdn, stride_vdb, stride_vdh, stride_vdn,
-    stride_dodb, stride_dodh, stride_dodn, stride_dqdb, stride_dqdh, stride_dqdn,
-    heads, group, N, M, qk_scale, scale, KEY_MASK,
+    stride_dodb, stride_dodh, stride_dodn,
+    stride_dqdb, stride_dqdh, stride_dqdn,
+    STATS, DELTA, R_DOT, DELTA_DOT, KEY_MASK, heads, group, N, M, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr,
     HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
     r""":math:`d\dot Q = \tau (d\dot S K + dS \dot K)` of one query block, with :math:`\dot r, \Delta, \dot\Delta`
     from the first sweep; key blocks split as in the forward."""
-    start_m, rows, batch_head, batch, head, kv_head = query_block(heads, group, BLOCK_M)
-    key_mask_base = key_mask_pointer(KEY_MASK, batch, M)
+    start_m, rows, batch_head, batch, head, kv_head, key_mask_base = common.query_block(heads, group, KEY_MASK, M, BLOCK_M)
 
-    q = load_tile(head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM, BLOCK_D)
-    do = load_tile(head_pointer(DO, batch, head, stride_dob, stride_doh), rows, N, stride_don, HEAD_DIM, BLOCK_D)
-    q_dot = optional_tile(head_pointer(Q_DOT, batch, head, stride_qdb, stride_qdh), rows, N, stride_qdn, q,
-                          HEAD_DIM, BLOCK_D, PRESENT=HAS_Q_DOT)
-    do_dot = optional_tile(head_pointer(DO_DOT, batch, head, stride_dodb, stride_dodh), rows, N, stride_dodn, do,
-                           HEAD_DIM, BLOCK_D, PRESENT=HAS_DO_DOT)
-    row_max, log_sum = load_softmax_stats(softmax_stats_pointer(STATS, batch_head, N), rows, N)
-    delta = tl.load(row_vector_pointer(DELTA, batch_head, N) + rows, mask=rows < N, other=0.0)
-    r_dot = tl.load(row_vector_pointer(R_DOT, batch_head, N) + rows, mask=rows < N, other=0.0)
-    delta_dot = tl.load(row_vector_pointer(DELTA_DOT, batch_head, N) + rows, mask=rows < N, other=0.0)
+    q = common.load_tile(common.head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM,
+                         BLOCK_D)
+    do = common.load_tile(common.head_pointer(DO, batch, head, stride_dob, stride_doh), rows, N, stride_don, HEAD_DIM,
+                          BLOCK_D)
+    q_dot = common.optional_tile(common.head_pointer(Q_DOT, batch, head, stride_qdb, stride_qdh), rows, N, stride_qdn,
+                                 q, HEAD_DIM, BLOCK_D, PRESENT=HAS_Q_DOT)
+    do_dot = common.optional_tile(common.head_pointer(DO_DOT, batch, head, stride_dodb, stride_dodh), rows, N,
+                                  stride_dodn, do, HEAD_DIM, BLOCK_D, PRESENT=HAS_DO_DOT)
+    row_max, log_sum = common.load_softmax_stats(common.softmax_stats_pointer(STATS, batch_head, N), rows, N)
+    delta = common.load_rows(common.row_vector_pointer(DELTA, batch_head, N), rows, N)
+    r_dot = common.load_rows(common.row_vector_pointer(R_DOT, batch_head, N), rows, N)
+    delta_dot = common.load_rows(common.row_vector_pointer(DELTA_DOT, batch_head, N), rows, N)
     dq_dot = tl.zeros([BLOCK_M, BLOCK_D], dtype=DELTA.dtype.element_ty)
 
-    k_base = head_pointer(K, batch, kv_head, stride_kb, stride_kh)
-    v_base = head_pointer(V, batch, kv_head, stride_vb, stride_vh)
-    k_dot_base = head_pointer(K_DOT, batch, kv_head, stride_kdb, stride_kdh)
-    v_dot_base = head_pointer(V_DOT, batch, kv_head, stride_vdb, stride_vdh)
-    unmasked_end, end = row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
+    k_base, v_base, k_dot_base, v_dot_base = common.head_pointers(K, V, K_DOT, V_DOT, batch, kv_head, stride_kb,
+                                                                  stride_kh, stride_vb, stride_vh, stride_kdb,
+                                                                  stride_kdh, stride_vdb, stride_vdh)
+    unmasked_end, end = common.row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
     dq_dot = _dq_dot_inner(
         dq_dot, q, q_dot, do, do_dot, row_max, log_sum, delta, r_dot, delta_dot, k_base, v_base, k_dot_base,
         v_dot_base, stride_kn, stride_vn, stride_kdn, stride_vdn, rows, 0, unmasked_end, M, qk_scale, scale,
@@ -317,8 +302,8 @@ def _dq_dot_kernel(
             key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION,
             HAS_KEY_MASK,
         )
-    dq_dot_base = head_pointer(DQ_DOT, batch, head, stride_dqdb, stride_dqdh)
-    store_tile(dq_dot_base, dq_dot * scale, rows, N, stride_dqdn, HEAD_DIM, BLOCK_D)
+    dq_dot_base = common.head_pointer(DQ_DOT, batch, head, stride_dqdb, stride_dqdh)
+    common.store_tile(dq_dot_base, dq_dot * scale, rows, N, stride_dqdn, HEAD_DIM, BLOCK_D)
 
 
 # ----------------------------------------------------------------------------- column sweep: dK-dot, dV-dot
@@ -343,31 +328,29 @@ def _dk_dot_dv_dot_inner(
     """
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
-        q = load_tile(q_base, rows, N, stride_qn, HEAD_DIM, BLOCK_D)
-        do = load_tile(do_base, rows, N, stride_don, HEAD_DIM, BLOCK_D)
-        q_dot = optional_tile(q_dot_base, rows, N, stride_qdn, q, HEAD_DIM, BLOCK_D, PRESENT=HAS_Q_DOT)
-        do_dot = optional_tile(do_dot_base, rows, N, stride_dodn, do, HEAD_DIM, BLOCK_D, PRESENT=HAS_DO_DOT)
-        row_max, log_sum = load_softmax_stats(stats_base, rows, N)
-        delta = tl.load(delta_base + rows, mask=rows < N, other=0.0)
-        delta_dot = tl.load(delta_dot_base + rows, mask=rows < N, other=0.0)
-        p_t = probabilities_transposed(k, q, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
-                                       MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
+        q, do, q_dot, do_dot = common.load_tile_group(q_base, do_base, q_dot_base, do_dot_base, stride_qn, stride_don,
+                                                      stride_qdn, stride_dodn, rows, N, HEAD_DIM, BLOCK_D, HAS_Q_DOT,
+                                                      HAS_DO_DOT)
+        row_max, log_sum = common.load_softmax_stats(stats_base, rows, N)
+        delta = common.load_rows(delta_base, rows, N)
+        delta_dot = common.load_rows(delta_dot_base, rows, N)
+        p_t = common.probabilities_transposed(k, q, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
+                                              MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
         dp_centered_t = tl.dot(v, tl.trans(do), input_precision=PRECISION) - delta[None, :]
         g_t = tl.zeros_like(p_t) - delta_dot[None, :]
         if HAS_Q_DOT or HAS_K_DOT:
-            r_dot = tl.load(r_dot_base + rows, mask=rows < N, other=0.0)
+            r_dot = common.load_rows(r_dot_base, rows, N)
             # S-dot^T = K-dot Q^T + K Q-dot^T
-            s_dot_t = scale * bilinear_tile(k, k_dot, q, q_dot, HAS_DX=HAS_K_DOT, HAS_DY=HAS_Q_DOT, TRANSPOSED=False,
-                                            PRECISION=PRECISION)
+            s_dot_t = scale * common.bilinear_tile(k, k_dot, q, q_dot, HAS_DX=HAS_K_DOT, HAS_DY=HAS_Q_DOT,
+                                                   TRANSPOSED=False, PRECISION=PRECISION)
             s_dot_centered_t = s_dot_t - r_dot[None, :]
             g_t += s_dot_centered_t * dp_centered_t
             dv_dot += tl.dot((p_t * s_dot_centered_t).to(do.dtype), do, input_precision=PRECISION)
         if HAS_DO_DOT or HAS_V_DOT:
-            g_t += bilinear_tile(v, v_dot, do, do_dot, HAS_DX=HAS_V_DOT, HAS_DY=HAS_DO_DOT, TRANSPOSED=False,
-                                 PRECISION=PRECISION)
-        dk_dot += tl.dot((p_t * g_t).to(q.dtype), q, input_precision=PRECISION)
-        if HAS_Q_DOT:
-            dk_dot += tl.dot((p_t * dp_centered_t).to(q_dot.dtype), q_dot, input_precision=PRECISION)
+            g_t += common.bilinear_tile(v, v_dot, do, do_dot, HAS_DX=HAS_V_DOT, HAS_DY=HAS_DO_DOT, TRANSPOSED=False,
+                                        PRECISION=PRECISION)
+        dk_dot = common.add_product_change(dk_dot, p_t, g_t, dp_centered_t, q, q_dot, HAS_DY=HAS_Q_DOT,
+                                           PRECISION=PRECISION)
         if HAS_DO_DOT:
             dv_dot += tl.dot(p_t.to(do_dot.dtype), do_dot, input_precision=PRECISION)
     return dk_dot, dv_dot
@@ -375,12 +358,14 @@ def _dk_dot_dv_dot_inner(
 
 @triton.jit
 def _dk_dot_dv_dot_kernel(
-    Q, K, V, DO, Q_DOT, K_DOT, V_DOT, DO_DOT, STATS, DELTA, R_DOT, DELTA_DOT, DK_DOT, DV_DOT,
+    Q, K, V, DO, Q_DOT, K_DOT, V_DOT, DO_DOT,
+    DK_DOT, DV_DOT,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don,
     stride_qdb, stride_qdh, stride_qdn, stride_kdb, stride_kdh, stride_kdn, stride_vdb, stride_vdh, stride_vdn,
-    stride_dodb, stride_dodh, stride_dodn, stride_dkdb, stride_dkdh, stride_dkdn, stride_dvdb, stride_dvdh, stride_dvdn,
-    heads, kv_heads, group, N, M, qk_scale, scale, KEY_MASK,
+    stride_dodb, stride_dodh, stride_dodn,
+    stride_dkdb, stride_dkdh, stride_dkdn, stride_dvdb, stride_dvdh, stride_dvdn,
+    STATS, DELTA, R_DOT, DELTA_DOT, KEY_MASK, heads, kv_heads, group, N, M, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr,
     HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
@@ -390,33 +375,25 @@ def _dk_dot_dv_dot_kernel(
     summed over the ``group`` query heads sharing it; the causal split of the query rows is the one of
     the dK/dV kernel. One sweep for both: a dK-dot sweep and a dV-dot sweep apart (8 + 5 products against 10)
     took 36.4 ms against 24.3 ms on the H200 (bf16, d = 128, H = 16, N = 16K, tuned configs)."""
-    start_n = tl.program_id(0) * BLOCK_N
-    batch_kv_head = tl.program_id(1)
-    batch, kv_head = batch_kv_head // kv_heads, batch_kv_head % kv_heads
-    keys = start_n + tl.arange(0, BLOCK_N)
-    key_mask_base = key_mask_pointer(KEY_MASK, batch, M)
-    k = load_tile(head_pointer(K, batch, kv_head, stride_kb, stride_kh), keys, M, stride_kn, HEAD_DIM, BLOCK_D)
-    v = load_tile(head_pointer(V, batch, kv_head, stride_vb, stride_vh), keys, M, stride_vn, HEAD_DIM, BLOCK_D)
-    k_dot = optional_tile(head_pointer(K_DOT, batch, kv_head, stride_kdb, stride_kdh), keys, M, stride_kdn, k,
-                          HEAD_DIM, BLOCK_D, PRESENT=HAS_K_DOT)
-    v_dot = optional_tile(head_pointer(V_DOT, batch, kv_head, stride_vdb, stride_vdh), keys, M, stride_vdn, v,
-                          HEAD_DIM, BLOCK_D, PRESENT=HAS_V_DOT)
+    start_n, keys, batch, kv_head, key_mask_base = common.key_block(kv_heads, KEY_MASK, M, BLOCK_N)
     acc_dtype = DELTA.dtype.element_ty
     dk_dot = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
     dv_dot = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
+    k_base, v_base, k_dot_base, v_dot_base = common.head_pointers(K, V, K_DOT, V_DOT, batch, kv_head, stride_kb,
+                                                                  stride_kh, stride_vb, stride_vh, stride_kdb,
+                                                                  stride_kdh, stride_vdb, stride_vdh)
+    k, v, k_dot, v_dot = common.load_tile_group(k_base, v_base, k_dot_base, v_dot_base, stride_kn, stride_vn,
+                                                stride_kdn, stride_vdn, keys, M, HEAD_DIM, BLOCK_D, HAS_K_DOT,
+                                                HAS_V_DOT)
 
-    masked_end = column_block_masked_end(start_n, N, BLOCK_M, BLOCK_N, CAUSAL)
+    masked_end = common.column_block_masked_end(start_n, N, BLOCK_M, BLOCK_N, CAUSAL)
     for member in range(group):
-        head = kv_head * group + member
-        batch_head = batch * heads + head
-        q_base = head_pointer(Q, batch, head, stride_qb, stride_qh)
-        do_base = head_pointer(DO, batch, head, stride_dob, stride_doh)
-        q_dot_base = head_pointer(Q_DOT, batch, head, stride_qdb, stride_qdh)
-        do_dot_base = head_pointer(DO_DOT, batch, head, stride_dodb, stride_dodh)
-        stats_base = softmax_stats_pointer(STATS, batch_head, N)
-        delta_base = row_vector_pointer(DELTA, batch_head, N)
-        r_dot_base = row_vector_pointer(R_DOT, batch_head, N)
-        delta_dot_base = row_vector_pointer(DELTA_DOT, batch_head, N)
+        head, batch_head, q_base, do_base, stats_base, delta_base = common.group_query_head(
+            Q, DO, STATS, DELTA, batch, heads, kv_head, group, member, N, stride_qb, stride_qh, stride_dob, stride_doh)
+        q_dot_base = common.head_pointer(Q_DOT, batch, head, stride_qdb, stride_qdh)
+        do_dot_base = common.head_pointer(DO_DOT, batch, head, stride_dodb, stride_dodh)
+        r_dot_base = common.row_vector_pointer(R_DOT, batch_head, N)
+        delta_dot_base = common.row_vector_pointer(DELTA_DOT, batch_head, N)
         if CAUSAL:
             dk_dot, dv_dot = _dk_dot_dv_dot_inner(
                 dk_dot, dv_dot, k, v, k_dot, v_dot, q_base, do_base, q_dot_base, do_dot_base, stats_base, delta_base,
@@ -431,35 +408,18 @@ def _dk_dot_dv_dot_kernel(
             HAS_V_DOT, HAS_DO_DOT, PRECISION, HAS_KEY_MASK,
         )
 
-    dk_dot_base = head_pointer(DK_DOT, batch, kv_head, stride_dkdb, stride_dkdh)
-    store_tile(dk_dot_base, dk_dot * scale, keys, M, stride_dkdn, HEAD_DIM, BLOCK_D)
-    dv_dot_base = head_pointer(DV_DOT, batch, kv_head, stride_dvdb, stride_dvdh)
-    store_tile(dv_dot_base, dv_dot, keys, M, stride_dvdn, HEAD_DIM, BLOCK_D)
+    dk_dot_base = common.head_pointer(DK_DOT, batch, kv_head, stride_dkdb, stride_dkdh)
+    common.store_tile(dk_dot_base, dk_dot * scale, keys, M, stride_dkdn, HEAD_DIM, BLOCK_D)
+    dv_dot_base = common.head_pointer(DV_DOT, batch, kv_head, stride_dvdb, stride_dvdh)
+    common.store_tile(dv_dot_base, dv_dot, keys, M, stride_dvdn, HEAD_DIM, BLOCK_D)
 
 
 # ----------------------------------------------------------------------------- host wrappers
 
 
-def _check_shapes(*named: tuple[str, torch.Tensor | None, torch.Tensor]) -> None:
-    """Raise ValueError unless each present ``(name, x, like)`` has the shape of ``like``."""
-    for name, x, like in named:
-        if x is not None and x.shape != like.shape:
-            raise ValueError(f"{name} must have shape {tuple(like.shape)}; got {tuple(x.shape)}")
-
-
 def _tangent_operand(x: torch.Tensor | None, placeholder: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """An absent tangent's kernel argument is ``placeholder`` (never read), a present one's is :func:`operand`."""
-    return placeholder if x is None else operand(x, q)
-
-
-def _constants(q, causal, allow_tf32, has_key_mask, q_dot, k_dot, v_dot) -> dict:
-    """The compile-time arguments shared by every sweep (the backward's add ``HAS_DO_DOT``)."""
-    head_dim = q.shape[-1]
-    return {
-        "HEAD_DIM": head_dim, "BLOCK_D": head_dim_block(head_dim), "CAUSAL": causal,
-        "HAS_Q_DOT": q_dot is not None, "HAS_K_DOT": k_dot is not None, "HAS_V_DOT": v_dot is not None,
-        "PRECISION": dot_precision(q.dtype, allow_tf32), "HAS_KEY_MASK": has_key_mask,
-    }
+    return placeholder if x is None else common.operand(x, q)
 
 
 def forward_jvp(
@@ -484,23 +444,22 @@ def forward_jvp(
     Returns:
         ``o_dot`` shaped and typed like ``q``; 0 in rows that see no key.
     """
-    check_qkv(q, k, v)
-    _check_shapes(("o", o, q), ("q_dot", q_dot, q), ("k_dot", k_dot, k), ("v_dot", v_dot, v))
+    common.check_qkv(q, k, v)
+    common.check_shaped_like(("o", o, q), ("q_dot", q_dot, q), ("k_dot", k_dot, k), ("v_dot", v_dot, v))
     if q_dot is None and k_dot is None and v_dot is None:
         return torch.zeros_like(q)
-    key_mask, has_key_mask = key_mask_operand(key_mask, q, k)
-    q, k, v, o = (operand(x, q) for x in (q, k, v, o))
-    stats = softmax_stats(stats, q)
-    constants = _constants(q, causal, allow_tf32, has_key_mask, q_dot, k_dot, v_dot)
+    key_mask, has_key_mask = common.key_mask_operand(key_mask, q, k)
+    q, k, v, o = (common.operand(x, q) for x in (q, k, v, o))
+    stats = common.softmax_stats(stats, q)
+    constants = common.kernel_constants(q, causal, allow_tf32, has_key_mask, HAS_Q_DOT=q_dot is not None,
+                                        HAS_K_DOT=k_dot is not None, HAS_V_DOT=v_dot is not None)
     q_dot, k_dot, v_dot = (_tangent_operand(x, like, q) for x, like in ((q_dot, q), (k_dot, k), (v_dot, k)))
     o_dot = torch.empty_like(q)
     batch, heads, n, head_dim = q.shape
     configs.launch(
-        "jvp_fwd", _o_dot_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads),
-        q, k, v, o, q_dot, k_dot, v_dot, stats, o_dot,
-        *strides(q), *strides(k), *strides(v), *strides(o), *strides(q_dot), *strides(k_dot), *strides(v_dot),
-        *strides(o_dot), heads, heads // k.shape[1], n, k.shape[2], scale * LOG2E.value, scale, key_mask,
-        head_dim=head_dim, dtype=q.dtype, length=n, **constants,
+        "jvp_fwd", _o_dot_kernel, common.row_grid(n, batch * heads),
+        *common.with_strides(q, k, v, o, q_dot, k_dot, v_dot, o_dot), stats, key_mask, heads, heads // k.shape[1], n,
+        k.shape[2], scale * common.LOG2E.value, scale, head_dim=head_dim, dtype=q.dtype, length=n, **constants,
     )
     return o_dot
 
@@ -534,46 +493,40 @@ def backward_jvp(
         ``(dq_dot, dk_dot, dv_dot)`` shaped and typed like ``q, k, v`` (``dk_dot``, ``dv_dot`` summed over
         the query heads of each kv group); 0 from rows that see no key.
     """
-    check_qkv(q, k, v)
-    _check_shapes(("do", do, q), ("o", o, q), ("q_dot", q_dot, q), ("k_dot", k_dot, k), ("v_dot", v_dot, v),
-                  ("do_dot", do_dot, q))
+    common.check_qkv(q, k, v)
+    common.check_shaped_like(("do", do, q), ("o", o, q), ("q_dot", q_dot, q), ("k_dot", k_dot, k), ("v_dot", v_dot, v),
+                             ("do_dot", do_dot, q))
     if q_dot is None and k_dot is None and v_dot is None and do_dot is None:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    key_mask, has_key_mask = key_mask_operand(key_mask, q, k)
-    q, k, v, do, o = (operand(x, q) for x in (q, k, v, do, o))
+    key_mask, has_key_mask = common.key_mask_operand(key_mask, q, k)
+    q, k, v, do, o = (common.operand(x, q) for x in (q, k, v, do, o))
     batch, heads, n, head_dim = q.shape
     kv_heads, m = k.shape[1], k.shape[2]
-    stats, delta = softmax_stats(stats, q), row_statistic(delta, q)
-    constants = _constants(q, causal, allow_tf32, has_key_mask, q_dot, k_dot, v_dot)
-    constants["HAS_DO_DOT"] = do_dot is not None
-    q_dot, k_dot, v_dot, do_dot = (
+    stats, delta = common.softmax_stats(stats, q), common.row_statistic(delta, q)
+    constants = common.kernel_constants(q, causal, allow_tf32, has_key_mask, HAS_Q_DOT=q_dot is not None,
+                                        HAS_K_DOT=k_dot is not None, HAS_V_DOT=v_dot is not None,
+                                        HAS_DO_DOT=do_dot is not None)
+    tangents = tuple(
         _tangent_operand(x, like, q) for x, like in ((q_dot, q), (k_dot, k), (v_dot, k), (do_dot, q))
     )
     r_dot, delta_dot = torch.empty_like(delta), torch.empty_like(delta)
     dq_dot, dk_dot, dv_dot = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    qk_scale = scale * LOG2E.value
+    row_scalars = (stats, delta, r_dot, delta_dot, key_mask, heads)
+    scalars = (heads // kv_heads, n, m, scale * common.LOG2E.value, scale)
 
-    tangents = (q_dot, k_dot, v_dot, do_dot)
-    tangent_strides = tuple(s for x in tangents for s in strides(x))
     configs.launch(
-        "jvp_rows", _row_scalars_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads),
-        q, k, v, o, do, *tangents, stats, delta, r_dot, delta_dot,
-        *strides(q), *strides(k), *strides(v), *strides(o), *strides(do), *tangent_strides,
-        heads, heads // kv_heads, n, m, qk_scale, scale, key_mask,
-        head_dim=head_dim, dtype=q.dtype, length=n, **constants,
+        "jvp_rows", _row_scalars_kernel, common.row_grid(n, batch * heads),
+        *common.with_strides(q, k, v, o, do, *tangents), *row_scalars, *scalars, head_dim=head_dim, dtype=q.dtype,
+        length=n, **constants,
     )
     configs.launch(
-        "jvp_dq", _dq_dot_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), batch * heads),
-        q, k, v, do, *tangents, stats, delta, r_dot, delta_dot, dq_dot,
-        *strides(q), *strides(k), *strides(v), *strides(do), *tangent_strides, *strides(dq_dot),
-        heads, heads // kv_heads, n, m, qk_scale, scale, key_mask,
-        head_dim=head_dim, dtype=q.dtype, length=n, **constants,
+        "jvp_dq", _dq_dot_kernel, common.row_grid(n, batch * heads),
+        *common.with_strides(q, k, v, do, *tangents, dq_dot), *row_scalars, *scalars, head_dim=head_dim, dtype=q.dtype,
+        length=n, **constants,
     )
     configs.launch(
-        "jvp_cols", _dk_dot_dv_dot_kernel, lambda meta: (triton.cdiv(m, meta["BLOCK_N"]), batch * kv_heads),
-        q, k, v, do, *tangents, stats, delta, r_dot, delta_dot, dk_dot, dv_dot,
-        *strides(q), *strides(k), *strides(v), *strides(do), *tangent_strides, *strides(dk_dot), *strides(dv_dot),
-        heads, kv_heads, heads // kv_heads, n, m, qk_scale, scale, key_mask,
+        "jvp_cols", _dk_dot_dv_dot_kernel, common.column_grid(m, batch * kv_heads),
+        *common.with_strides(q, k, v, do, *tangents, dk_dot, dv_dot), *row_scalars, kv_heads, *scalars,
         head_dim=head_dim, dtype=q.dtype, length=m, **constants,
     )
     return dq_dot, dk_dot, dv_dot
