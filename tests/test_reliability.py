@@ -232,7 +232,9 @@ def test_shifted_logits_float32_no_worse_than_eager(gen, backend, kind):
 def test_peaked_logits_float32(gen, backend):
     """One-hot rows in float32: all outputs finite; the well-conditioned ``O`` and ``dV`` accurate.
 
-    ``O`` to 1e-5 relative. ``dV = P^T dO`` to 1e-5 on the blocked backend, which reuses the rows'
+    ``O`` to 1e-5 relative on the blocked backend; the Triton kernels' scores (exp2 of pre-scaled
+    logits, another summation order) move a near-tie of a row by up to one ulp of the largest score,
+    so there ``O`` is held to the bar of ``dV`` below (1.6e-5 was seen once in CI draws). ``dV = P^T dO`` to 1e-5 on the blocked backend, which reuses the rows'
     scores; the Triton column kernels recompute ``S^T = K Q^T``, which rounds differently from the
     forward's ``S = Q K^T`` (numpy in the interpreter; the H200 too: dV 3.7e-5, 2026-11-30), so a
     one-hot ``P`` moves by up to one ulp of the largest score: ``dV`` is held to that,
@@ -244,8 +246,9 @@ def test_peaked_logits_float32(gen, backend):
     assert all(torch.isfinite(a).all() for a in ours)
     q, k = (x.double() for x in problem[:2])
     largest_score = (q @ k.transpose(-1, -2)).abs().max().item() / math.sqrt(q.shape[-1])
-    dv_bar = 1e-5 if backend == "blocked" else torch.finfo(torch.float32).eps * largest_score
-    assert relative_error(ours[0], exact[0]) < 1e-5, "o"
+    ulp_bar = max(1e-5, torch.finfo(torch.float32).eps * largest_score)
+    o_bar, dv_bar = (1e-5, 1e-5) if backend == "blocked" else (ulp_bar, ulp_bar)
+    assert relative_error(ours[0], exact[0]) < o_bar, f"o (bar {o_bar:.1e})"
     assert relative_error(ours[3], exact[3]) < dv_bar, f"dv (bar {dv_bar:.1e})"
 
 
