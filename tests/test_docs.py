@@ -1,6 +1,6 @@
 """The documents point only at things that exist: every link and image of README.md and docs/*.md
-resolves to a file (or heading) inside the repository, every repository path written in their text
-exists, and every ``docs/...`` path the code names is a document that exists or a result under
+resolves to a file (or heading) inside the repository, every repository path and every test written
+in their text exists, and every ``docs/...`` path the code names is a document that exists or a result under
 docs/results/ (a benchmark's default output need not exist before its first run). A moved or
 deleted file then fails CI instead of leaving a stale pointer."""
 
@@ -20,6 +20,7 @@ LINK = re.compile(r"(!?)\[[^\]]*\]\(([^)\s]+)\)")  # [text](target) and ![alt](t
 REPO_PATH = re.compile(rf"(?<![\w./-])((?:{'|'.join(TOP_LEVEL)})/[\w./-]*)")
 HEADING = re.compile(r"^#+ (.*)$", re.MULTILINE)
 CODE_BLOCK = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+TEST_NAME = re.compile(r"(?<![\w/.])(test_[a-z0-9_]+)(?![\w.])")  # a test function or module, not a path
 CODE_FILES = [p for folder in TOP_LEVEL if folder != "docs" for p in sorted((ROOT / folder).rglob("*"))
               if p.suffix in (".py", ".yaml") and p != Path(__file__).resolve()]
 
@@ -70,6 +71,18 @@ def test_repository_paths_in_the_text_exist(document):
     assert "../shared" not in text, f"{document.name} points to notes outside the repository"
 
 
+def _tests() -> set[str]:
+    """The test functions and test modules of tests/."""
+    modules = sorted((ROOT / "tests").glob("test_*.py"))
+    return {m.stem for m in modules} | {name for m in modules for name in re.findall(r"def (test_\w+)", m.read_text())}
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_tests_named_in_the_text_exist(document):
+    missing = sorted(set(TEST_NAME.findall(document.read_text())) - _tests())
+    assert not missing, f"{document.name} names tests that do not exist: {missing}"
+
+
 def _stale_docs_path(path: str) -> bool:
     """A ``docs/`` path that is neither under docs/results/ nor an existing document or folder."""
     target = ROOT / path
@@ -86,8 +99,9 @@ def test_the_checks_catch_a_stale_path_and_a_broken_image(tmp_path):
     """The patterns find what the tests above rely on them to find."""
     document = tmp_path / "doc.md"
     document.write_text("See flashbob/nothing_here.py, and ![plot](results/missing.png) and [x](#a-heading).\n"
-                        "```\nf(x)[0](g)\n```\n## A heading\n")
-    assert _paths(document.read_text()) == ["flashbob/nothing_here.py"]
+                        "```\nf(x)[0](g)\n```\n## A heading\n| `test_x.py::test_gone` (tests/test_y.py) |\n")
+    assert _paths(document.read_text()) == ["flashbob/nothing_here.py", "tests/test_y.py"]
+    assert TEST_NAME.findall(document.read_text()) == ["test_gone"]
     assert _links(document) == [(True, "results/missing.png"), (False, "#a-heading")]
     assert _anchors(document) == {"a-heading"}
     assert [p for p in ("docs/algorithm.md", "docs/results/new.csv", "docs/old.csv", "docs/gone.md")
