@@ -8,10 +8,13 @@ the decision (``KERNEL_DEVICE``, ``needs_kernels``, ...).
 
 import os
 import secrets
+import tempfile
 
 import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
+# On a GPU, the configurations the tests' launches tune go to a throwaway cache, not the user's.
+os.environ.setdefault("FLASHBOB_CACHE_DIR", tempfile.mkdtemp(prefix="flashbob-test-tuning-"))
 
 import pytest  # noqa: E402
 

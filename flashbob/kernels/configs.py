@@ -1,9 +1,21 @@
-"""Launch configurations of every kernel: defaults, autotune spaces, pruning, and the launcher.
+"""Launch configurations of every kernel: candidates, defaults, pruning, where a launch's configuration
+comes from, and the launcher.
 
-On a GPU each kernel is autotuned (``triton.autotune``) over the candidates of its space that
-fit, once per (head_dim, dtype, power-of-two bucket of the sequence length) and per compile-time
-flag set (causal, which cotangents exist). Set ``FLASHBOB_AUTOTUNE=0`` to skip tuning and use the
-hand-picked defaults (the first candidate of each space); Triton's interpreter never tunes.
+Each kernel has a space of candidate configurations (``spaces.json``), pruned to what fits the head_dim,
+dtype and length (:func:`candidates`); the first one that fits is the default. A launch uses, for its key
+(kernel, head_dim, dtype, length bucket and compile-time flags; :mod:`.tuning` describes the key, the
+tables and the cache), the first of
+
+1. the configuration in this machine's tuning cache;
+2. the shipped table of this GPU: the key's own entry, else that of the nearest length bucket;
+3. when tuning is on, a tuned one: every candidate is timed, the fastest is stored in the cache;
+4. the default.
+
+``FLASHBOB_AUTOTUNE``: ``1`` (the default) as above; ``0`` never tunes (cache, table or default);
+``force`` tunes every key at its first launch in the process, ignoring cache and table, and stores the
+picks in the cache (benchmarks/tune_table.py); ``defaults`` uses the defaults whatever the cache and table
+hold (to time them against the tuned ones). Inside :func:`override`, and in Triton's interpreter, the
+default is used. A configuration the compiler rejects gives way to the next candidate.
 """
 
 from __future__ import annotations
@@ -13,12 +25,14 @@ import dataclasses
 import functools
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 import triton
 from triton.runtime.errors import OutOfResources
+
+from . import tuning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +69,7 @@ MAX_SHARED_BYTES = 220 * 1024  # sm_90 allows 227 KiB per block
 
 _overrides: dict[str, int] = {}
 
+
 def fits(kernel: str, config: BlockConfig, head_dim: int, dtype: torch.dtype) -> bool:
     """Rough register and shared-memory budget of ``config``: configs that cannot fit are pruned."""
     accumulators, inputs, scores, streamed = _FOOTPRINT[kernel]
@@ -66,14 +81,13 @@ def fits(kernel: str, config: BlockConfig, head_dim: int, dtype: torch.dtype) ->
     return words / (32 * config.num_warps) <= MAX_REGISTERS_PER_THREAD and shared <= MAX_SHARED_BYTES
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def candidates(kernel: str, head_dim: int, dtype: torch.dtype, length: int) -> tuple[BlockConfig, ...]:
     """The space of ``kernel`` for this head_dim, dtype and sequence length, pruned to what fits.
 
     Blocks larger than the (power-of-two rounded) length are dropped. 32- and 64-bit inputs take
     half blocks (at least 16, the smallest ``tl.dot``): exact ``tl.dot`` runs on the CUDA cores and needs
-    far more registers. The
-    smallest config is kept as a last resort so that the result is never empty.
+    far more registers. The smallest config is kept as a last resort so that the result is never empty.
     """
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
@@ -81,7 +95,7 @@ def candidates(kernel: str, head_dim: int, dtype: torch.dtype, length: int) -> t
     if dtype.itemsize >= 4:
         space = tuple(BlockConfig(max(16, c.block_m // 2), c.block_n if c.block_n == 1 else max(16, c.block_n // 2),
                                   c.num_warps, c.num_stages) for c in space)
-    limit = max(16, triton.next_power_of_2(length))
+    limit = tuning.bucket(length)
     kept = tuple(dict.fromkeys(
         c for c in space if fits(kernel, c, head_dim, dtype) and min(c.block_m, c.block_n) <= limit
     ))
@@ -110,60 +124,110 @@ def override(**fields: int) -> Iterator[None]:
         _overrides.update(previous)
 
 
+def tuning_mode() -> str:
+    """``"on"``, ``"off"``, ``"force"`` or ``"defaults"`` from ``FLASHBOB_AUTOTUNE`` (``1``, ``0``, ``force``,
+    ``defaults``; unset is ``1``; this module's docstring says what each does); ``"defaults"`` inside
+    :func:`override` and in Triton's interpreter."""
+    value = os.environ.get("FLASHBOB_AUTOTUNE", "1")
+    modes = {"1": "on", "0": "off", "force": "force", "defaults": "defaults"}
+    if value not in modes:
+        raise ValueError(f"FLASHBOB_AUTOTUNE must be 1, 0, force or defaults; got {value!r}")
+    if _overrides or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return "defaults"
+    return modes[value]
+
+
 def autotune_enabled() -> bool:
-    """Tuning runs on real GPUs unless ``FLASHBOB_AUTOTUNE=0`` or an :func:`override` is active."""
-    return (
-        os.environ.get("FLASHBOB_AUTOTUNE", "1") != "0"
-        and os.environ.get("TRITON_INTERPRET", "0") != "1"
-        and not _overrides
-    )
+    """Whether a launch may tune (:func:`tuning_mode` is ``"on"`` or ``"force"``)."""
+    return tuning_mode() in ("on", "force")
 
 
-_TUNERS: dict[tuple, object] = {}
+@dataclasses.dataclass(frozen=True)
+class Pick:
+    """The configuration a key is launched with, and where it came from: ``"cache"``, ``"table"``, ``"tuned"``
+    or ``"default"``."""
+
+    config: BlockConfig
+    source: str
 
 
-def _tuned(kernel: str, jit_fn, head_dim: int, dtype: torch.dtype, bucket: int, flags: tuple[str, ...]):
-    """One ``triton.autotune`` wrapper per (kernel, head_dim, dtype, length bucket, flag names); it
-    keys its own cache on the values of the compile-time ``flags`` (and on argument dtypes)."""
-    key = (kernel, head_dim, dtype, bucket, flags)
-    if key not in _TUNERS:
-        space = [
-            triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
-            for c in candidates(kernel, head_dim, dtype, bucket)
-        ]
-        _TUNERS[key] = triton.autotune(configs=space, key=list(flags))(jit_fn)
-    return _TUNERS[key]
+_PICKS: dict[tuple[tuning.Key, str | None, str], Pick] = {}  # per (key, GPU, tuning mode), for this process
+
+
+def tuning_key(kernel: str, head_dim: int, dtype: torch.dtype, length: int, constants: dict) -> tuning.Key:
+    """The key of a launch: its compile-time ``constants`` but HEAD_DIM and BLOCK_D (which head_dim fixes)
+    are its flags."""
+    flags = tuple(sorted((name, value) for name, value in constants.items() if name not in ("HEAD_DIM", "BLOCK_D")))
+    return tuning.Key(kernel, head_dim, str(dtype).removeprefix("torch."), tuning.bucket(length), flags)
+
+
+def pick(key: tuning.Key, space: tuple[BlockConfig, ...], gpu: str | None, mode: str,
+         run: Callable[[BlockConfig], None]) -> Pick:
+    """The configuration of a launch with ``key`` among the candidates ``space`` on ``gpu`` (None: not a GPU,
+    only the default) in tuning ``mode`` (:func:`tuning_mode`), by the order of this module's docstring;
+    ``run(config)`` launches the kernel, for tuning."""
+    allowed = [dataclasses.astuple(config) for config in space]
+    if gpu is not None and mode in ("on", "off"):
+        cached = tuning.read_cache(gpu, key)
+        if cached in allowed:
+            return Pick(BlockConfig(*cached), "cache")
+        listed = tuning.lookup(tuning.load_table(tuning.table_path(gpu)), key, allowed)
+        if listed is not None:
+            return Pick(BlockConfig(*listed), "table")
+    if gpu is not None and mode in ("on", "force") and len(space) > 1:
+        best, timings = tuning.tune(key, allowed, lambda config: run(BlockConfig(*config)))
+        tuning.write_cache(gpu, key, best, timings)
+        return Pick(BlockConfig(*best), "tuned")
+    return Pick(space[0], "default")
 
 
 def launch(kernel: str, jit_fn, grid, *args, head_dim: int, dtype: torch.dtype, length: int, **constants) -> None:
-    """Launch ``jit_fn`` (which takes ``BLOCK_M`` and ``BLOCK_N``) on ``grid``: autotuned when
-    :func:`autotune_enabled`, else with :func:`choose`'s config (or the next candidate, if the
-    compiler finds that it needs more shared memory or registers than the GPU has). ``length`` is
-    the sequence length that sizes the blocks (N for row kernels, M for column kernels)."""
-    if autotune_enabled():
-        bucket = triton.next_power_of_2(length)
-        tuned = _tuned(kernel, jit_fn, head_dim, dtype, bucket, tuple(sorted(constants)))
-        tuned[grid](*args, **constants)
-        return
+    """Launch ``jit_fn`` (which takes ``BLOCK_M`` and ``BLOCK_N``) on ``grid`` with the configuration that
+    :func:`pick` gives its key (once per process), or the next candidate if the compiler finds that it needs
+    more shared memory or registers than the GPU has; inside :func:`override`, with :func:`choose`'s.
+    ``length`` is the sequence length that sizes the blocks (N for row kernels, M for column kernels)."""
     if _overrides:
-        fallbacks = (choose(kernel, head_dim, dtype, length),)
-    else:  # the fit estimate is rough: a config the compiler rejects falls back to the next one
-        fallbacks = candidates(kernel, head_dim, dtype, length)
-    for position, config in enumerate(fallbacks):
+        _run(jit_fn, grid, args, constants, choose(kernel, head_dim, dtype, length))
+        return
+    key = tuning_key(kernel, head_dim, dtype, length, constants)
+    space = candidates(kernel, head_dim, dtype, length)
+    memo = (key, _gpu(args), tuning_mode())
+    if memo not in _PICKS:
+        _PICKS[memo] = pick(key, space, *memo[1:], run=lambda config: _run(jit_fn, grid, args, constants, config))
+    chosen = _PICKS[memo]
+    order = tuple(dict.fromkeys((chosen.config, *space)))
+    for position, config in enumerate(order):
         try:
-            jit_fn[grid](*args, **constants, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                         num_warps=config.num_warps, num_stages=config.num_stages)
-            return
+            _run(jit_fn, grid, args, constants, config)
         except OutOfResources:
-            if position == len(fallbacks) - 1:
+            if position == len(order) - 1:
                 raise
+            continue
+        if config != chosen.config:  # remembered, so that the rejected one is not compiled again
+            _PICKS[memo] = dataclasses.replace(chosen, config=config)
+        return
+
+
+def _run(jit_fn, grid, args: tuple, constants: dict, config: BlockConfig) -> None:
+    jit_fn[grid](*args, **constants, BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
+                 num_stages=config.num_stages)
+
+
+def _gpu(args: tuple) -> str | None:
+    """The name of the GPU that holds the first tensor of ``args``; None if it is not on a GPU."""
+    device = next((x.device for x in args if isinstance(x, torch.Tensor)), None)
+    if device is None or device.type != "cuda":
+        return None
+    return _device_name(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
 
 
 def tuned_configs() -> list[dict]:
-    """The configs autotuning picked so far, one row per tuned case (for benchmarks and docs)."""
-    return [
-        {"kernel": kernel, "head_dim": head_dim, "dtype": str(dtype).removeprefix("torch."), "bucket": bucket,
-         "flags": dict(zip(flags, key)), "config": str(config)}
-        for (kernel, head_dim, dtype, bucket, flags), tuner in _TUNERS.items()
-        for key, config in tuner.cache.items()
-    ]
+    """The configuration each key launched in this process uses and its source (:class:`Pick`), one row per
+    key: kernel, head_dim, dtype, bucket, flags, gpu, config, source (for benchmarks and docs)."""
+    return [{**key.to_json(), "gpu": gpu, "config": dataclasses.asdict(chosen.config), "source": chosen.source}
+            for (key, gpu, _), chosen in _PICKS.items()]

@@ -1,0 +1,325 @@
+"""Where a launch's configuration comes from (flashbob/kernels/tuning.py, configs.pick and configs.launch): the
+tuning cache on disk, the shipped tables and their nearest-bucket rule, and the tuner, with a fake clock (the
+interpreter cannot time kernels) and the real candidates of configs.SPACES."""
+
+import itertools
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashbob import kernels, reference
+from flashbob.kernels import configs, tuning
+from tests.helpers import (
+    assert_matches,
+    attention_inputs,
+    exact_tolerance,
+    needs_kernels,
+    on_backend,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU = "NVIDIA Test GPU 80GB"
+FLAGS = {"CAUSAL": True, "HAS_DK_BAR": True, "HAS_DQ_BAR": True, "HAS_DV_BAR": True, "HAS_KEY_MASK": False,
+         "PRECISION": "ieee", "SWEEP": "bob_q_bar"}
+
+
+@pytest.fixture
+def folders(tmp_path, monkeypatch):
+    """An empty tuning cache and an empty folder of shipped tables; no picks remembered."""
+    monkeypatch.setenv("FLASHBOB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(tuning, "TABLE_DIR", tmp_path / "tables")
+    monkeypatch.setattr(configs, "_PICKS", {})
+    return tmp_path
+
+
+def key_at(length, kernel="bob_q_bar", head_dim=128, **flags):
+    constants = {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, **FLAGS, **flags}
+    return configs.tuning_key(kernel, head_dim, torch.bfloat16, length, constants)
+
+
+def space_of(key):
+    return configs.candidates(key.kernel, key.head_dim, torch.bfloat16, key.bucket)
+
+
+class FakeClock:
+    """Times each candidate by a fixed ranking: the candidate at ``fastest`` in the space is quickest; records
+    what it timed."""
+
+    def __init__(self, space, fastest):
+        self.times = {config: 1.0 + i for i, config in enumerate(space)}
+        self.times[space[fastest]] = 0.5
+        self.timed = []
+
+    def __call__(self, run):
+        run()
+        self.timed.append(self.last)
+        return self.times[self.last]
+
+    def run(self, config):
+        self.last = config
+
+
+def test_key_holds_the_flags_but_not_the_shape_constants():
+    key = key_at(1000)
+    assert key.bucket == 1024 and key.dtype == "bfloat16" and key.head_dim == 128
+    assert dict(key.flags) == FLAGS
+    assert tuning.Key.from_json(json.loads(json.dumps(key.to_json()))) == key
+
+
+def test_cache_folder_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLASHBOB_CACHE_DIR", str(tmp_path / "a"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "b"))
+    assert tuning.cache_root() == tmp_path / "a"
+    monkeypatch.delenv("FLASHBOB_CACHE_DIR")
+    assert tuning.cache_root() == tmp_path / "b" / "flashbob"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert tuning.cache_root() == tmp_path / "home" / ".cache" / "flashbob"
+    path = tuning.cache_path("NVIDIA H200", key_at(4096))
+    assert path.parent == tmp_path / "home" / ".cache" / "flashbob" / "tuning" / "NVIDIA_H200" / f"triton-{tuning.triton.__version__}"
+
+
+def test_cache_round_trip(folders):
+    key = key_at(4096)
+    config = tuple(vars(space_of(key)[2]).values())
+    assert tuning.read_cache(GPU, key) is None
+    tuning.write_cache(GPU, key, config, {config: 1.5})
+    assert tuning.read_cache(GPU, key) == config
+    assert tuning.read_cache(GPU, key_at(8192)) is None  # another bucket
+    assert tuning.read_cache(GPU, key_at(4096, CAUSAL=False)) is None  # other flags
+    assert [p.name for p in tuning.cache_path(GPU, key).parent.iterdir()] == [tuning.cache_path(GPU, key).name]
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"key": {"kernel": "forward"}, "config": [1, 2, 3, 4]}',
+                                     '{"config": [64, 64, 4, 2]}', ""], ids=["garbage", "other key", "no key", "empty"])
+def test_unreadable_cache_file_is_ignored_with_a_warning_and_rewritten(folders, content):
+    key = key_at(4096)
+    space = space_of(key)
+    path = tuning.cache_path(GPU, key)
+    path.parent.mkdir(parents=True)
+    path.write_text(content)
+    with pytest.warns(RuntimeWarning, match="ignoring the unreadable tuning cache file"):
+        assert tuning.read_cache(GPU, key) is None
+    clock = FakeClock(space, fastest=1)
+    with pytest.warns(RuntimeWarning, match="unreadable"), tuning.timed_by(clock):
+        chosen = configs.pick(key, space, GPU, "on", clock.run)
+    assert chosen == configs.Pick(space[1], "tuned")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tuning.read_cache(GPU, key) == tuple(vars(space[1]).values())
+
+
+def test_unwritable_cache_warns_and_keeps_the_pick(folders, monkeypatch):
+    blocker = folders / "not_a_folder"
+    blocker.write_text("")
+    monkeypatch.setenv("FLASHBOB_CACHE_DIR", str(blocker))  # the cache folder cannot be made
+    key = key_at(4096)
+    space = space_of(key)
+    clock = FakeClock(space, fastest=4)
+    with pytest.warns(RuntimeWarning, match="cannot write the tuning cache file"), tuning.timed_by(clock):
+        assert configs.pick(key, space, GPU, "on", clock.run) == configs.Pick(space[4], "tuned")
+    assert tuning.read_cache(GPU, key) is None
+
+
+WRITER = """
+import json, sys
+import torch
+from flashbob import kernels, reference
+from flashbob.kernels import configs, tuning
+from tests.helpers import assert_matches, attention_inputs, exact_tolerance, needs_kernels, on_backend
+gpu, flags, config = sys.argv[1], json.loads(sys.argv[2]), tuple(json.loads(sys.argv[3]))
+key = configs.tuning_key("bob_q_bar", 128, torch.bfloat16, 4096, {"HEAD_DIM": 128, "BLOCK_D": 128, **flags})
+for _ in range(500):
+    tuning.write_cache(gpu, key, config, {config: 1.0})
+"""
+
+
+def test_concurrent_writers_leave_a_valid_file(folders):
+    """Two processes write the same key 500 times each while this one reads it: every read finds a whole
+    file holding one of the two configurations, and no temporary file is left behind."""
+    key = key_at(4096)
+    configs_written = [tuple(vars(c).values()) for c in space_of(key)[:2]]
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, GPU, json.dumps(FLAGS), json.dumps(c)], cwd=ROOT)
+             for c in configs_written]
+    reads = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a partial file would warn
+        while any(p.poll() is None for p in procs):
+            reads.append(tuning.read_cache(GPU, key))
+    assert [p.returncode for p in procs] == [0, 0]
+    assert set(reads) <= {None, *configs_written} and set(reads) & set(configs_written)
+    assert tuning.read_cache(GPU, key) in configs_written
+    assert [p.name for p in tuning.cache_path(GPU, key).parent.iterdir()] == [tuning.cache_path(GPU, key).name]
+
+
+def write_table(folder, entries):
+    """A shipped table for GPU holding ``entries`` (key -> BlockConfig)."""
+    entries = {key: tuple(vars(config).values()) for key, config in entries.items()}
+    tuning.write_table(tuning.table_path(GPU), GPU, entries, triton="test")
+
+
+def test_table_lookup_takes_the_exact_then_the_nearest_bucket(folders):
+    space = space_of(key_at(1024))
+    write_table(folders, {key_at(1024): space[0], key_at(4096): space[1], key_at(16384): space[2],
+                          key_at(16384, CAUSAL=False): space[3]})
+    table = tuning.load_table(tuning.table_path(GPU))
+    assert len(table) == 4
+    allowed = [tuple(vars(c).values()) for c in space]
+    as_config = lambda length, **flags: tuning.lookup(table, key_at(length, **flags), allowed)
+    assert as_config(4096) == allowed[1]  # exact
+    assert as_config(3000) == allowed[1]  # same bucket
+    assert as_config(512) == allowed[0]  # below the table: the shortest bucket
+    assert as_config(2048) == allowed[1]  # 1024 and 4096 equally near: the longer
+    assert as_config(1 << 17) == allowed[2]  # above the table: the longest bucket
+    assert as_config(1 << 17, CAUSAL=False) == allowed[3]  # only entries with the same flags
+    assert as_config(4096, HAS_KEY_MASK=True) is None
+    assert tuning.lookup(table, key_at(4096, kernel="bob_scalars", SWEEP="bob_scalars"), allowed) is None
+    assert tuning.lookup(table, key_at(4096), allowed[2:]) == allowed[2]  # the nearest entry that is a candidate
+
+
+def test_table_file_has_one_entry_per_line(folders):
+    space = space_of(key_at(1024))
+    write_table(folders, {key_at(1024): space[0], key_at(4096): space[1]})
+    text = tuning.table_path(GPU).read_text()
+    data = json.loads(text)
+    assert data["gpu"] == GPU and data["triton"] == "test" and len(data["entries"]) == 2
+    assert sum('"config"' in line for line in text.splitlines()) == 2
+    assert tuning.table_path("NVIDIA H200").name == "NVIDIA_H200.json"
+
+
+def test_malformed_table_is_an_error(folders):
+    path = tuning.table_path(GPU)
+    path.parent.mkdir(parents=True)
+    path.write_text('{"entries": [{"kernel": "forward"}]}')
+    with pytest.raises(ValueError, match="malformed"):
+        tuning.load_table(path)
+
+
+def test_pick_order_cache_table_tune_default(folders):
+    key = key_at(4096)
+    space = space_of(key)
+    clock = FakeClock(space, fastest=3)
+    with tuning.timed_by(clock):
+        assert configs.pick(key, space, GPU, "off", clock.run) == configs.Pick(space[0], "default")
+        assert configs.pick(key, space, None, "on", clock.run) == configs.Pick(space[0], "default")  # not a GPU
+        assert clock.timed == []
+        # neither table nor cache: every candidate is timed once, the fastest is stored in the cache
+        assert configs.pick(key, space, GPU, "on", clock.run) == configs.Pick(space[3], "tuned")
+        assert sorted(clock.timed, key=space.index) == list(space)
+        assert tuning.read_cache(GPU, key) == tuple(vars(space[3]).values())
+        clock.timed.clear()
+        assert configs.pick(key, space, GPU, "on", clock.run) == configs.Pick(space[3], "cache")
+        assert configs.pick(key, space, GPU, "off", clock.run) == configs.Pick(space[3], "cache")
+        # the table serves what the cache does not hold, its nearest bucket included
+        write_table(folders, {key_at(16384): space[1]})
+        assert configs.pick(key_at(8192), space, GPU, "on", clock.run) == configs.Pick(space[1], "table")
+        assert configs.pick(key_at(8192), space, GPU, "off", clock.run) == configs.Pick(space[1], "table")
+        assert clock.timed == []
+        # defaults: the first candidate, whatever the cache and the table hold
+        assert configs.pick(key, space, GPU, "defaults", clock.run) == configs.Pick(space[0], "default")
+        assert configs.pick(key_at(8192), space, GPU, "defaults", clock.run) == configs.Pick(space[0], "default")
+        # force tunes again, whatever the cache and the table hold
+        clock.times[space[3]], clock.times[space[5]] = 9.0, 0.1
+        assert configs.pick(key, space, GPU, "force", clock.run) == configs.Pick(space[5], "tuned")
+        assert tuning.read_cache(GPU, key) == tuple(vars(space[5]).values())
+
+
+def test_single_candidate_is_not_timed(folders):
+    key = configs.tuning_key("delta", 128, torch.bfloat16, 4096, {"HEAD_DIM": 128, "BLOCK_D": 128})
+    space = configs.candidates("delta", 128, torch.bfloat16, 4096)
+    clock = FakeClock(space, fastest=0)
+    with tuning.timed_by(clock):
+        assert configs.pick(key, space, GPU, "on", clock.run) == configs.Pick(space[0], "default")
+    assert clock.timed == []
+
+
+def test_tuner_skips_rejected_candidates(folders):
+    from triton.runtime.errors import OutOfResources
+
+    key = key_at(4096)
+    space = space_of(key)
+    clock = FakeClock(space, fastest=0)
+    rejected = set(space[:2])  # the fastest among them
+
+    def timer(run):
+        run()
+        if clock.last in rejected:
+            raise OutOfResources(262144, 232448, "shared memory")
+        return clock.times[clock.last]
+
+    with tuning.timed_by(timer):
+        assert configs.pick(key, space, GPU, "on", clock.run) == configs.Pick(space[2], "tuned")
+        rejected = set(space)
+        with pytest.raises(OutOfResources):
+            configs.pick(key_at(8192), space, GPU, "on", clock.run)
+
+
+def test_launch_tunes_once_then_launches_the_pick(folders, monkeypatch):
+    """configs.launch on a (pretend) GPU: the first launch of a key tunes and then launches the pick; later
+    launches reuse it without timing; tuned_configs reports it."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("FLASHBOB_AUTOTUNE", "1")
+    monkeypatch.setattr(configs, "_gpu", lambda args: GPU)
+    launched = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def run(*args, BLOCK_M, BLOCK_N, num_warps, num_stages, **constants):
+                launched.append(configs.BlockConfig(BLOCK_M, BLOCK_N, num_warps, num_stages))
+            return run
+
+    constants = {"HEAD_DIM": 128, "BLOCK_D": 128, **FLAGS}
+    space = configs.candidates("bob_q_bar", 128, torch.bfloat16, 4096)
+    clock = FakeClock(space, fastest=2)
+    with tuning.timed_by(lambda run: (run(), clock.times[launched[-1]])[1]):
+        configs.launch("bob_q_bar", Kernel(), (1,), head_dim=128, dtype=torch.bfloat16, length=4000, **constants)
+        assert launched == [*space, space[2]]  # each candidate timed, then the pick launched
+        configs.launch("bob_q_bar", Kernel(), (1,), head_dim=128, dtype=torch.bfloat16, length=3000, **constants)
+        assert launched[-1] == space[2] and len(launched) == len(space) + 2
+    (row,) = configs.tuned_configs()
+    assert (row["kernel"], row["bucket"], row["source"]) == ("bob_q_bar", 4096, "tuned")
+    assert configs.BlockConfig(**row["config"]) == space[2]
+    assert row["flags"] == FLAGS
+
+
+def test_tuning_mode(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for value, mode in (("1", "on"), ("0", "off"), ("force", "force"), ("defaults", "defaults")):
+        monkeypatch.setenv("FLASHBOB_AUTOTUNE", value)
+        assert configs.tuning_mode() == mode
+    with configs.override(block_m=16):
+        assert configs.tuning_mode() == "defaults"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert configs.tuning_mode() == "defaults"
+    monkeypatch.setenv("FLASHBOB_AUTOTUNE", "yes")
+    with pytest.raises(ValueError, match="FLASHBOB_AUTOTUNE must be 1, 0, force or defaults; got 'yes'"):
+        configs.tuning_mode()
+
+
+@needs_kernels
+def test_tuned_launches_give_the_reference_results(folders, monkeypatch, gen):
+    """The whole path on the real kernels (in the interpreter on a CPU): on a pretend GPU that neither table
+    nor cache knows, each kernel of the forward and backward is tuned on the call's own buffers, then its pick
+    (here the last candidate, not the default) is launched; the outputs match the float64 oracle."""
+    monkeypatch.setattr(configs, "tuning_mode", lambda: "on")  # as on a GPU with default settings
+    monkeypatch.setattr(configs, "_gpu", lambda args: GPU)
+    q, k, v, do = on_backend("triton", *attention_inputs(gen, batch=1, heads=2, kv_heads=1, n=20, m=20, head_dim=16))
+    ticks = itertools.count()
+    with tuning.timed_by(lambda run: (run(), -next(ticks))[1]):  # the later a candidate is timed, the faster
+        o, stats = kernels.forward(q, k, v, causal=True, scale=0.25)
+        dq, dk, dv, _ = kernels.backward(q, k, v, o, stats, do, causal=True, scale=0.25)
+    picks = {row["kernel"]: row for row in configs.tuned_configs()}
+    assert {kernel: row["source"] for kernel, row in picks.items()} == {
+        "forward": "tuned", "delta": "default", "dkdv": "tuned", "dq": "tuned"}
+    for kernel in ("forward", "dkdv", "dq"):
+        space = configs.candidates(kernel, 16, q.dtype, 20)
+        assert len(space) > 1 and configs.BlockConfig(**picks[kernel]["config"]) == space[-1] != space[0]
+    expected = reference.attention(*(x.double() for x in (q, k, v)), causal=True, scale=0.25)
+    grads = reference.attention_backward(*(x.double() for x in (q, k, v, do)), causal=True, scale=0.25)
+    for name, actual, wanted in zip(("o", "dq", "dk", "dv"), (o, dq, dk, dv), (expected, *grads)):
+        assert_matches(actual, wanted, exact_tolerance(actual), name)
