@@ -253,6 +253,6 @@ def tune(key: Key, candidates: Sequence[Config], run: Callable[[Config], None]) 
         raise rejection
     best = min(timings, key=timings.get)
     block_m, block_n, num_warps, num_stages = best
-    print(f" {block_m}x{block_n} tiles, {num_warps} warps, {num_stages} stages: {timings[best]:.3f} ms "
+    print(f" BLOCK_M={block_m} BLOCK_N={block_n} num_warps={num_warps} num_stages={num_stages}: {timings[best]:.3f} ms "
           f"(tuned in {time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
     return best, timings
