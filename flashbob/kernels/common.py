@@ -8,8 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_HEAD_DIM = 256
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+from flashbob.inputs import accumulator_dtype, check_inputs, check_triton_limits
 
 # exp(x) = exp2(x * log2(e)): the kernels work in base 2.
 LOG2E = tl.constexpr(math.log2(math.e))
@@ -283,24 +282,10 @@ def add_product_change(acc, p, g, dp_centered, y, dy, HAS_DY: tl.constexpr, PREC
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Raise ValueError unless ``q (B, H, N, d)``, ``k, v (B, Hkv, M, d)`` fit the kernels."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be 4-d (batch, heads, seq, head_dim); got {q.dim()}, {k.dim()}, {v.dim()}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
-    batch, heads, _, head_dim = q.shape
-    if k.shape[0] != batch or k.shape[3] != head_dim:
-        raise ValueError(f"k must be (batch={batch}, kv_heads, M, head_dim={head_dim}); got {tuple(k.shape)}")
-    if k.shape[1] == 0 or heads % k.shape[1] != 0:
-        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({k.shape[1]})")
-    if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be between 1 and {MAX_HEAD_DIM}; got head_dim={head_dim}")
-    if q.shape[2] < 1 or k.shape[2] < 1:
-        raise ValueError(f"sequence lengths must be >= 1; got N={q.shape[2]}, M={k.shape[2]}")
-    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share one dtype of {SUPPORTED_DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    """Raise unless ``q (B, H, N, d)``, ``k, v (B, Hkv, M, d)`` are attention inputs the kernels can
+    launch (:func:`flashbob.inputs.check_inputs`, :func:`flashbob.inputs.check_triton_limits`)."""
+    check_inputs(q, k, v)
+    check_triton_limits(q, k)
 
 
 def key_mask_operand(key_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -347,11 +332,6 @@ def logsumexp(stats: torch.Tensor) -> torch.Tensor:
     r"""Natural-log :math:`\mathrm{lse}_i = \log \sum_j e^{S_{ij}} = (m_i + \log_2 \ell_i) / \log_2 e` from
     the forward's ``(B, H, 2, N)`` statistics; ``+inf`` for rows that see no key."""
     return (stats[:, :, 0] + stats[:, :, 1]) / LOG2E.value
-
-
-def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 for float64 inputs, else float32: the dtype of P, the row statistics and accumulators."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def dot_precision(dtype: torch.dtype, allow_tf32: bool) -> str:
