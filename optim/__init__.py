@@ -6,7 +6,7 @@ from optim.curvature import (AutogradLossHessian, CrossEntropyHessian, Curvature
                              LossGraphHessian, LossHessian, MSEHessian, functional, ggnvp, hutchinson_diagonal, hvp,
                              power_iteration, trace)
 from optim.newton_cg import NewtonCG
-from optim.sophia import SophiaG, SophiaH
+from optim.sophia import SophiaG, SophiaH, gauss_newton_bartlett
 
 __all__ = [
     "AdaHessian",
@@ -24,6 +24,7 @@ __all__ = [
     "SophiaH",
     "cg",
     "functional",
+    "gauss_newton_bartlett",
     "ggnvp",
     "hutchinson_diagonal",
     "hvp",

@@ -3,6 +3,7 @@ the guards against non-finite values and inputs they cannot handle (frozen model
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import operator
@@ -117,12 +118,19 @@ class SecondOrderOptimizer(Optimizer):
 
     @property
     def refreshes_next_step(self) -> bool:
-        """Whether the next ``step(closure)`` takes curvature through the closure's whole-batch call ``closure()``.
+        """Whether the next step takes curvature (products or a diagonal estimate): true unless the subclass takes
+        it on some steps only (Sophia's refresh steps)."""
+        return True
 
-        A recipe may then run that call through a once-differentiable fast path (e.g. torch's fused
-        attention) on steps where this is false. True unless the subclass takes curvature on some steps
-        only (Sophia) or on a separate call ``closure(rows)`` (NewtonCG's ``curvature_batch``); a call
-        with ``rows`` always serves curvature.
+    def differentiates_twice(self, rows: bool = False) -> bool:
+        r"""Whether the next ``step(closure)`` differentiates the graph of ``closure()`` (``rows`` false) or of
+        ``closure(rows)`` (``rows`` true: a curvature mini-batch) twice, reverse over reverse.
+
+        A recipe may run every other call through an attention that is differentiable once (torch's fused
+        SDPA): the gradient, the trial points, and the graphs that a Gauss-Newton product or estimate
+        differentiates once (its :math:`J^\top u`). Passes that carry forward-mode tangents (``mode="forward"``)
+        need an attention with a forward-mode rule whatever this says. True for every call unless the
+        subclass knows better.
         """
         return True
 
@@ -143,8 +151,8 @@ class SecondOrderOptimizer(Optimizer):
         """
         result = evaluate(closure, self._owner)
         loss = _dist.average_loss(result.loss.detach(), self.group)
-        self.stats["loss"] = float(loss)
-        finite = all_finite([loss])
+        self.stats["loss"] = float(loss)  # the step's one host synchronisation for the loss
+        finite = math.isfinite(self.stats["loss"])
         if not finite:
             warn_skipped(self._owner, "loss", stacklevel=4)
         return result, loss, finite
@@ -226,17 +234,22 @@ def gradients(
     )
 
 
-def all_finite(*groups: Iterable[Tensor]) -> bool:
-    """Whether every entry of every tensor is finite (one host synchronisation).
+def finite_flag(*groups: Iterable[Tensor]) -> Tensor:
+    r"""A 0-d bool tensor: whether every entry of every tensor is finite, without a host synchronisation.
 
     With ``torch._foreach`` ops, a few kernel launches in all: :math:`\sum |0 \cdot x|` is 0 for a
     finite tensor and NaN for one with a NaN or an infinity (no overflow, unlike a norm of :math:`x`).
     """
     tensors = [t for group in groups for t in group]
     if not tensors:
-        return True
+        return torch.tensor(True)
     sums = torch._foreach_norm(torch._foreach_mul(tensors, 0.0), 1)
-    return bool(torch.isfinite(torch.stack(sums)).all())
+    return torch.isfinite(torch.stack(sums)).all()
+
+
+def all_finite(*groups: Iterable[Tensor]) -> bool:
+    """Whether every entry of every tensor is finite: :func:`finite_flag`, read with one host synchronisation."""
+    return bool(finite_flag(*groups))
 
 
 def warn_skipped(
@@ -278,6 +291,54 @@ def apply_if_finite(
     for item in items:
         commit(item, propose(item))
     return True
+
+
+def check_rows(owner: str, name: str, value: Any) -> None:
+    """Raise ``ValueError`` unless the curvature mini-batch setting ``name`` is ``None``, a count >= 1 or a
+    fraction in (0, 1)."""
+    count = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    fraction = isinstance(value, float) and 0 < value < 1
+    if value is not None and not (count or fraction):
+        raise ValueError(
+            f"{owner}: invalid {name}: {value!r}; expected None (every row), a count of rows >= 1 "
+            "or a fraction in (0, 1)"
+        )
+
+
+def curvature_rows(
+    owner: str, name: str, size: int | float | None, result: ClosureResult, closure: Callable[..., Any]
+) -> tuple[slice | None, float]:
+    r"""The rows ``closure(rows)`` evaluates the curvature on (``None``: the whole batch's graph), and how many
+    rows the curvature sees (NaN if unknown), for the curvature mini-batch setting ``name`` of size ``size``.
+
+    The batch has :math:`R` rows, the leading dimension of the closure's outputs or targets; a count
+    :math:`m` takes the first :math:`m`, a fraction :math:`f` the first :math:`\max(1, \lfloor f R \rfloor)`.
+
+    Raises:
+        RuntimeError: ``size`` is a fraction and the closure returned neither outputs nor targets.
+        TypeError: ``size`` is set and the closure takes no ``rows`` argument.
+    """
+    batch = next((t.shape[0] for t in (result.outputs, result.targets) if t is not None and t.dim() > 0), None)
+    if size is None:
+        return None, math.nan if batch is None else float(batch)
+    if isinstance(size, float):
+        if batch is None:
+            raise RuntimeError(
+                f"{owner}({name}={size}) takes the batch's rows from the leading dimension of the closure's "
+                "outputs or targets, and the closure returned neither; return them, or give a count of rows"
+            )
+        size = max(1, math.floor(size * batch))
+    try:
+        inspect.signature(closure).bind(slice(0, size))
+    except TypeError:
+        raise TypeError(
+            f"{owner}({name}=...) evaluates the curvature on closure(rows), rows a slice of the batch's "
+            "leading dimension, but this closure takes no argument: write it as def closure(rows=slice(None)) "
+            "and index the batch with rows"
+        ) from None
+    except ValueError:  # no signature to check (e.g. a builtin): the call will tell
+        pass
+    return slice(0, size), float(size if batch is None else min(size, batch))
 
 
 def check_dense(owner: str, grads: Iterable[Tensor]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -19,18 +20,28 @@ def _dot(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
     return sum((x * y).sum() for x, y in zip(a, b, strict=True))
 
 
-def _axpy(alpha: Tensor | float, x: Sequence[Tensor], y: Sequence[Tensor]) -> Tensors:
-    """:math:`y + \\alpha x`, out of place (``torch._foreach`` ops: two kernel launches, not two per tensor)."""
-    if len(x) != len(y):
-        raise ValueError(f"_axpy: {len(x)} tensors in x, {len(y)} in y")
-    if not x:
-        return ()
-    return tuple(torch._foreach_add(list(y), torch._foreach_mul(list(x), alpha)))
+class _Flat:
+    """Tuples of tensors shaped like ``like`` as one vector in their common dtype (:meth:`join`), and back
+    (:meth:`split`: views where the dtypes agree), so that CG's vector operations are one kernel each."""
+
+    def __init__(self, like: Sequence[Tensor]) -> None:
+        if not like:
+            raise ValueError("cg: b holds no tensor")
+        self.like = tuple(like)
+        self.dtype = functools.reduce(torch.promote_types, (t.dtype for t in self.like))
+        self.sizes = [t.numel() for t in self.like]
+
+    def join(self, tensors: Sequence[Tensor]) -> Tensor:
+        return torch.cat([t.reshape(-1).to(self.dtype) for t in tensors])
+
+    def split(self, flat: Tensor) -> Tensors:
+        parts = torch.split(flat, self.sizes)
+        return tuple(part.view(t.shape).to(t.dtype) for part, t in zip(parts, self.like))
 
 
 @dataclass(frozen=True)
 class CGIterate:
-    r"""A CG iterate :math:`x_i` with :math:`\phi(x_i)` and :math:`b^\top x_i`.
+    r"""A CG iterate :math:`x_i` with :math:`\phi(x_i)`, :math:`b^\top x_i` and :math:`x_i^\top x_i`.
 
     The curvature along it follows as :math:`x_i^\top A x_i = 2(\phi(x_i) + b^\top x_i)`.
     """
@@ -39,6 +50,7 @@ class CGIterate:
     x: Tensors
     objective: float
     bx: float
+    xx: float
 
 
 @dataclass
@@ -86,7 +98,10 @@ def cg(
     r"""Preconditioned CG for :math:`A x = b`, minimising :math:`\phi(x) = \tfrac12 x^\top A x - b^\top x`.
 
     Vectors are tuples of tensors (one per parameter); ``matvec`` computes :math:`A v` and
-    ``precondition`` :math:`M^{-1} r` for a symmetric positive definite :math:`M`. With
+    ``precondition`` :math:`M^{-1} r` for a symmetric positive definite :math:`M`. Inside, a vector is
+    one tensor (the tuple concatenated in its common dtype; ``matvec`` and ``precondition`` see views of
+    it), so each inner product and update is one kernel whatever the number of parameters, and an
+    iteration reads all its scalars with one host synchronisation (plus one at the start). With
     :math:`r_i = b - A x_i`, :math:`z_i = M^{-1} r_i`:
 
     .. math:: \alpha_i = \frac{r_i^\top z_i}{p_i^\top A p_i}, \quad x_{i+1} = x_i + \alpha_i p_i, \quad
@@ -119,46 +134,53 @@ def cg(
     Returns:
         A :class:`CGResult`.
     """
-    b = tuple(b)
-    b_norm = math.sqrt(float(_dot(b, b)))
+    flat = _Flat(b)
+
+    def product(v: Tensor) -> Tensor:
+        return flat.join(matvec(flat.split(v)))
+
+    def preconditioned(r: Tensor) -> Tensor:
+        return flat.join(precondition(flat.split(r))) if precondition is not None else r
+
+    b = flat.join(b)
+    x, r = torch.zeros_like(b), b
     if x0 is not None:
-        x = tuple(x0)
-        r = _axpy(-1.0, matvec(x), b)
-        if float(-0.5 * _dot(x, _axpy(1.0, r, b))) > 0:
-            x0 = None
-    if x0 is None:
-        x, r = tuple(torch.zeros_like(t) for t in b), b
-    z = tuple(precondition(r)) if precondition is not None else r
-    p, rz = z, _dot(r, z)
-    bx = float(_dot(b, x))
-    objectives = [-0.5 * (bx + float(_dot(x, r)))]
+        x = flat.join(x0)
+        r = b - product(x)
+    bb, rr, bx, xr = torch.stack([b @ b, r @ r, b @ x, x @ r]).tolist()  # one host synchronisation
+    if x0 is not None and -0.5 * (bx + xr) > 0:
+        x, r, rr, bx, xr = torch.zeros_like(b), b, bb, 0.0, 0.0
+    objectives = [-0.5 * (bx + xr)]
+    if not math.isfinite(objectives[0] + rr):
+        start = CGIterate(0, flat.split(x), objectives[0], bx, math.nan)
+        return CGResult(start.x, 0, "breakdown", objectives[0], [start])
+    z = preconditioned(r)
+    p, rz = z, r @ z
     iterates: list[CGIterate] = []
     status: Status = "max_iter"
-    if not (math.isfinite(objectives[0]) and torch.isfinite(rz)):
-        return CGResult(x, 0, "breakdown", objectives[0], [CGIterate(0, x, objectives[0], bx)])
     i = 0
     while i < max_iter:
-        if math.sqrt(float(_dot(r, r))) <= tol * b_norm:
+        if math.sqrt(rr) <= tol * math.sqrt(bb):
             status = "converged"
             break
-        ap = tuple(matvec(p))
-        pap = _dot(p, ap)
-        if not torch.isfinite(pap):
+        ap = product(p)
+        pap = p @ ap
+        alpha = rz / pap.abs()  # with |pAp|: a first direction of negative curvature is still a descent step
+        x_next, r_next = torch.addcmul(x, p, alpha), torch.addcmul(r, ap, alpha, value=-1)
+        saved = i + 1 in save_at
+        scalars = [rz, pap, r_next @ r_next, b @ x_next, x_next @ r_next] + ([x_next @ x_next] if saved else [])
+        rz_value, pap_value, rr_next, bx_next, xr_next, *xx = torch.stack(scalars).tolist()  # one host sync
+        if not (math.isfinite(rz_value) and math.isfinite(pap_value)):
             status = "breakdown"
             break
-        if pap <= 0:
+        if pap_value <= 0:
             status = "negative_curvature"
-            if i > 0 or pap == 0:
+            if i > 0 or pap_value == 0:
                 break
-            alpha = rz / pap.abs()
-        else:
-            alpha = rz / pap
-        x, r = _axpy(alpha, p, x), _axpy(-alpha, ap, r)
-        i += 1
-        bx = float(_dot(b, x))
-        objectives.append(-0.5 * (bx + float(_dot(x, r))))
-        if i in save_at:
-            iterates.append(CGIterate(i, x, objectives[-1], bx))
+        x, r, rr, bx, i = x_next, r_next, rr_next, bx_next, i + 1
+        objectives.append(-0.5 * (bx + xr_next))
+        if saved:
+            iterates.append(CGIterate(i, flat.split(x), objectives[-1], bx, xx[0]))
         if status == "negative_curvature":
             break
         k = max(progress_window, math.ceil(0.1 * i))
@@ -166,9 +188,9 @@ def cg(
         if progress_tol > 0 and i > k and phi < 0 and (phi - objectives[-1 - k]) / phi < k * progress_tol:
             status = "progress"
             break
-        z = tuple(precondition(r)) if precondition is not None else r
-        rz_next = _dot(r, z)
-        p, rz = _axpy(rz_next / rz, p, z), rz_next
+        z = preconditioned(r)
+        rz_next = r @ z
+        p, rz = torch.addcmul(z, p, rz_next / rz), rz_next
     if not iterates or iterates[-1].iteration != i:
-        iterates.append(CGIterate(i, x, objectives[-1], bx))
-    return CGResult(x, i, status, objectives[-1], iterates)
+        iterates.append(CGIterate(i, flat.split(x), objectives[-1], bx, float(x @ x)))
+    return CGResult(iterates[-1].x, i, status, objectives[-1], iterates)

@@ -374,7 +374,7 @@ class CrossEntropyHessian:
                 f"CrossEntropyHessian: out must be a contiguous {vec.dtype} tensor of shape {tuple(vec.shape)}, got "
                 f"{out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}"
             )
-        count = max(int(counted.sum()), 1) if self.reduction == "mean" else 1
+        count = counted.sum().clamp_min(1) if self.reduction == "mean" else 1  # a tensor: no host synchronisation
         result = out.view(logits.shape)
         for rows in row_chunks(logits.shape[0], logits.shape[1], self.chunk_elements):
             z, u = logits[rows], tangent[rows]

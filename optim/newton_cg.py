@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import functools
-import inspect
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -15,6 +14,7 @@ from optim import _closure
 from optim import distributed as _dist
 from optim.cg import _dot, cg, martens_schedule
 from optim.curvature import (
+    CrossEntropyHessian,
     CurvatureOperator,
     GGNOperator,
     HessianOperator,
@@ -23,9 +23,10 @@ from optim.curvature import (
     functional,
     hutchinson_diagonal,
 )
+from optim.sophia import gauss_newton_bartlett
 
 Curvature = Literal["auto", "ggn", "hessian"]
-Preconditioner = Literal["hutchinson", "squared_gradients"] | None
+Preconditioner = Literal["hutchinson", "bartlett", "squared_gradients"] | None
 
 #: Settings that belong to the one joint solve; every parameter group must agree on them.
 GLOBAL_SETTINGS = (
@@ -152,9 +153,12 @@ class NewtonCG(_closure.SecondOrderOptimizer):
         warm_start_decay: :math:`\zeta` of the warm start :math:`x_0 = \zeta x_{\text{prev}}` (0: cold start).
         backtrack: CG backtracking over saved iterates.
         line_search: Armijo backtracking line search.
-        preconditioner: ``None``, ``"squared_gradients"`` (EMA of :math:`g \circ g`) or
+        preconditioner: ``None``, ``"squared_gradients"`` (EMA of :math:`g \circ g`),
             ``"hutchinson"`` (EMA of the Hutchinson estimate of :math:`|\operatorname{diag} B|`, one
-            product per step); CG then uses :math:`M = (d + \lambda)^{\xi}`.
+            product per step) or ``"bartlett"`` (Gauss-Newton with the cross-entropy only: EMA of the
+            Gauss-Newton-Bartlett estimate of :math:`\operatorname{diag} G`, Sophia-G's, from labels sampled
+            on the curvature rows: one backward through their graph per step and no product, see
+            :func:`optim.sophia.gauss_newton_bartlett`); CG then uses :math:`M = (d + \lambda)^{\xi}`.
         precond_exponent: :math:`\xi` (Martens: 0.75).
         precond_beta: EMA factor of the preconditioner's diagonal :math:`d`.
         weight_decay: Decoupled weight decay of this group.
@@ -208,9 +212,14 @@ class NewtonCG(_closure.SecondOrderOptimizer):
     ) -> None:
         if curvature not in ("auto", "ggn", "hessian"):
             raise ValueError(f"curvature must be 'auto', 'ggn' or 'hessian', got {curvature!r}")
-        if preconditioner not in (None, "hutchinson", "squared_gradients"):
-            raise ValueError(f"preconditioner must be None, 'hutchinson' or 'squared_gradients': {preconditioner!r}")
-        check_curvature_batch(curvature_batch)
+        if preconditioner not in (None, "hutchinson", "bartlett", "squared_gradients"):
+            raise ValueError(
+                f"preconditioner must be None, 'hutchinson', 'bartlett' or 'squared_gradients': {preconditioner!r}"
+            )
+        if preconditioner == "bartlett" and curvature == "hessian":
+            raise ValueError("NewtonCG(preconditioner='bartlett') estimates the Gauss-Newton diagonal: it needs "
+                             "curvature='ggn' or 'auto', not 'hessian'")
+        _closure.check_rows("NewtonCG", "curvature_batch", curvature_batch)
         if mode not in ("reverse", "forward"):
             raise ValueError(f"NewtonCG: mode must be 'reverse' or 'forward', got {mode!r}")
         if mode == "forward" and not isinstance(module, nn.Module):
@@ -242,11 +251,13 @@ class NewtonCG(_closure.SecondOrderOptimizer):
             self.param_groups.pop()
             raise ValueError(f"NewtonCG solves one system for all groups; groups may not differ in {differ}")
 
-    @property
-    def refreshes_next_step(self) -> bool:
-        """Whether the next step takes curvature products through ``closure()``: unless ``curvature_batch``
-        is set, when they run on ``closure(rows)`` and ``closure()`` is differentiated once."""
-        return self.param_groups[0]["curvature_batch"] is None
+    def differentiates_twice(self, rows: bool = False) -> bool:
+        """Whether the next step differentiates the graph of ``closure()`` (``rows`` false) or ``closure(rows)``
+        twice: in reverse mode, the products' call (``closure(rows)`` with ``curvature_batch``, else
+        ``closure()``); in forward mode none (:math:`J v` and forward-over-reverse run on passes with tangents,
+        :math:`J^\top u` differentiates the graph once)."""
+        settings = self.param_groups[0]
+        return settings["mode"] == "reverse" and rows == (settings["curvature_batch"] is not None)
 
     @torch.no_grad()
     def step(self, closure: _closure.Closure | None = None) -> Tensor:  # type: ignore[override]
@@ -266,9 +277,10 @@ class NewtonCG(_closure.SecondOrderOptimizer):
         damping = global_state["damping"]
         sign = -1.0 if settings["maximize"] else 1.0
         result, loss, finite = self._evaluate_loss(closure)
-        rows, counted = curvature_rows(settings["curvature_batch"], result, closure)
+        rows, counted = _closure.curvature_rows("NewtonCG", "curvature_batch", settings["curvature_batch"], result,
+                                                closure)
         self.stats = dict(
-            loss=float(loss), damping=damping, cg_iters=0.0, curvature_rows=counted, reduction_ratio=math.nan,
+            loss=self.stats["loss"], damping=damping, cg_iters=0.0, curvature_rows=counted, reduction_ratio=math.nan,
             step_size=0.0, negative_curvature=0.0, step_skipped=1.0,
         )  # fmt: skip
         if not finite:
@@ -282,7 +294,8 @@ class NewtonCG(_closure.SecondOrderOptimizer):
 
         def damped(v: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
             with _closure.graph_errors("NewtonCG"):
-                return tuple(sign * bv + damping * vi for bv, vi in zip(operator.matvec(v), v))
+                bv = list(operator.matvec(v))
+            return tuple(torch._foreach_add(torch._foreach_neg(bv) if sign < 0 else bv, list(v), alpha=damping))
 
         precondition, diagonal = self._preconditioner(settings, operator, params, g, damping)
         if diagonal is not None and not _closure.all_finite(diagonal):
@@ -309,8 +322,7 @@ class NewtonCG(_closure.SecondOrderOptimizer):
         for it in solve.iterates:
             if uniform:
                 x_ax = 2 * (it.objective + it.bx)
-                x_x = float(_dot(it.x, it.x))
-                models.append(lrs[0] * -it.bx + 0.5 * lrs[0] ** 2 * (x_ax - damping * x_x))
+                models.append(lrs[0] * -it.bx + 0.5 * lrs[0] ** 2 * (x_ax - damping * it.xx))
             else:
                 s = tuple(lr * xi for lr, xi in zip(lrs, it.x))
                 with _closure.graph_errors("NewtonCG"):
@@ -320,7 +332,7 @@ class NewtonCG(_closure.SecondOrderOptimizer):
         del result, damped, precondition
 
         chosen, new_damping, ratio, alpha, found = self._search(
-            settings, closure, params, lrs, g, solve, models, float(loss), sign
+            settings, closure, params, lrs, g, solve, models, sign * self.stats["loss"], sign
         )
         self.stats.update(
             cg_iters=float(solve.iterations), reduction_ratio=ratio,
@@ -400,6 +412,8 @@ class NewtonCG(_closure.SecondOrderOptimizer):
             return None, None
         if kind == "squared_gradients":
             estimate = tuple(gi * gi for gi in g)
+        elif kind == "bartlett":
+            estimate = self._bartlett(operator, params)
         else:
             with _closure.graph_errors("NewtonCG"):
                 estimate = tuple(d.abs() for d in hutchinson_diagonal(operator, generator=self.generator))
@@ -409,7 +423,22 @@ class NewtonCG(_closure.SecondOrderOptimizer):
             for p, e in zip(params, estimate)
         )
         scale = tuple((d + damping) ** settings["precond_exponent"] for d in diagonal)
-        return (lambda r: tuple(ri / si for ri, si in zip(r, scale))), diagonal
+        return (lambda r: tuple(torch._foreach_div(list(r), list(scale)))), diagonal
+
+    def _bartlett(self, operator: CurvatureOperator, params: list[Tensor]) -> tuple[Tensor, ...]:
+        """The Gauss-Newton-Bartlett diagonal on the outputs of the Gauss-Newton operator (rank average)."""
+        local = operator.local if isinstance(operator, _dist.AveragedOperator) else operator
+        if not (isinstance(local, GGNOperator) and isinstance(local.loss_hessian, CrossEntropyHessian)):
+            raise RuntimeError(
+                "NewtonCG(preconditioner='bartlett') samples labels from the softmax of the outputs: it needs the "
+                "Gauss-Newton curvature (a closure that returns the outputs) with loss_hessian='cross_entropy'"
+            )
+        hessian = local.loss_hessian
+        with torch.enable_grad(), _closure.graph_errors("NewtonCG"):
+            return gauss_newton_bartlett(
+                local.outputs, hessian.targets, params, ignore_index=hessian.ignore_index, generator=self.generator,
+                chunk_elements=hessian.chunk_elements, group=self.group, owner="NewtonCG",
+            )  # fmt: skip
 
     def _search(self, settings, closure, params, lrs, g, solve, models, f0, sign):
         r"""CG backtracking, damping adaptation and Armijo line search.
@@ -426,12 +455,12 @@ class NewtonCG(_closure.SecondOrderOptimizer):
         chosen = len(solve.iterates) - 1
         if not needs_f:
             return chosen, damping, math.nan, 1.0, True
-        origin = [p.clone() for p in params]
+        origin = torch._foreach_add(params, 0.0)  # copies
         values: list[float] = []
 
         def f(alpha: float, index: int) -> float:
-            for p, p0, lr, xi in zip(params, origin, lrs, solve.iterates[index].x):
-                p.copy_(p0 + (alpha * lr) * xi)
+            step = torch._foreach_mul(list(solve.iterates[index].x), [alpha * lr for lr in lrs])
+            torch._foreach_copy_(params, torch._foreach_add(origin, step))
             trial = _closure.evaluate(closure, "NewtonCG", graph=False).loss
             value = sign * float(_dist.average_loss(trial, self.group))
             values.append(value if math.isfinite(value) else math.inf)
@@ -452,7 +481,10 @@ class NewtonCG(_closure.SecondOrderOptimizer):
                 damping *= DAMPING_DOWN
         alpha = 1.0
         if settings["line_search"]:
-            slope = float(sum(lr * (gi * xi).sum() for lr, gi, xi in zip(lrs, g, solve.iterates[chosen].x)))
+            if len(set(lrs)) == 1:  # g^T s = -lr b^T x, b = -g the right-hand side of CG
+                slope = -lrs[0] * solve.iterates[chosen].bx
+            else:
+                slope = float(sum(lr * (gi * xi).sum() for lr, gi, xi in zip(lrs, g, solve.iterates[chosen].x)))
             value, trials = best, 1
             while value > f0 + ARMIJO_C * alpha * slope:
                 if trials == ARMIJO_TRIALS:
@@ -460,52 +492,5 @@ class NewtonCG(_closure.SecondOrderOptimizer):
                     break
                 alpha *= ARMIJO_SHRINK
                 value, trials = f(alpha, chosen), trials + 1
-        for p, p0 in zip(params, origin):
-            p.copy_(p0)
+        torch._foreach_copy_(params, origin)
         return chosen, damping, ratio, alpha, min(values) < math.inf
-
-
-def check_curvature_batch(value: Any) -> None:
-    """Raise ``ValueError`` unless ``value`` is ``None``, a count >= 1 or a fraction in (0, 1)."""
-    count = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-    fraction = isinstance(value, float) and 0 < value < 1
-    if value is not None and not (count or fraction):
-        raise ValueError(
-            f"NewtonCG: invalid curvature_batch: {value!r}; expected None (every row), a count of rows >= 1 "
-            "or a fraction in (0, 1)"
-        )
-
-
-def curvature_rows(
-    size: int | float | None, result: _closure.ClosureResult, closure: Callable[..., Any]
-) -> tuple[slice | None, float]:
-    """The rows ``closure(rows)`` evaluates the curvature on (``None``: the whole batch's graph), and how many
-    rows the products see (NaN if unknown).
-
-    The batch has :math:`R` rows, the leading dimension of the closure's outputs or targets.
-
-    Raises:
-        RuntimeError: ``size`` is a fraction and the closure returned neither outputs nor targets.
-        TypeError: ``size`` is set and the closure takes no ``rows`` argument.
-    """
-    batch = next((t.shape[0] for t in (result.outputs, result.targets) if t is not None and t.dim() > 0), None)
-    if size is None:
-        return None, math.nan if batch is None else float(batch)
-    if isinstance(size, float):
-        if batch is None:
-            raise RuntimeError(
-                f"NewtonCG(curvature_batch={size}) takes the batch's rows from the leading dimension of the closure's "
-                "outputs or targets, and the closure returned neither; return them, or give a count of rows"
-            )
-        size = max(1, math.floor(size * batch))
-    try:
-        inspect.signature(closure).bind(slice(0, size))
-    except TypeError:
-        raise TypeError(
-            "NewtonCG(curvature_batch=...) evaluates the curvature on closure(rows), rows a slice of the batch's "
-            "leading dimension, but this closure takes no argument: write it as def closure(rows=slice(None)) "
-            "and index the batch with rows"
-        ) from None
-    except ValueError:  # no signature to check (e.g. a builtin): the call will tell
-        pass
-    return slice(0, size), float(size if batch is None else min(size, batch))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -21,6 +23,20 @@ from optim.curvature import (
     logit_rows,
     row_chunks,
 )
+
+
+@dataclass
+class _Update:
+    """A Sophia update, computed and not yet written: the parameters in ``order``, their new values, :math:`m`
+    and :math:`h` (``refreshed``: the new :math:`h` of the groups that refreshed it), and the number of
+    coordinates whose step was not clipped (a tensor)."""
+
+    order: list[Tensor]
+    params: list[Tensor]
+    m: list[Tensor]
+    h: list[Tensor]
+    refreshed: list[Tensor]
+    unclipped: Tensor | None
 
 
 class _Sophia(_closure.SecondOrderOptimizer):
@@ -75,9 +91,11 @@ class _Sophia(_closure.SecondOrderOptimizer):
     _plain_loop = ""  # how a loop without a closure provides the estimate, for the error on its first step
 
     def __init__(
-        self, params, lr, betas, rho, weight_decay, eps, update_period, maximize, generator, distributed
+        self, params, lr, betas, rho, weight_decay, eps, update_period, maximize, generator, distributed,
+        hessian_batch,
     ) -> None:
         betas = tuple(betas) if isinstance(betas, list) else betas  # a wrong kind is reported by the checks
+        _closure.check_rows(self._owner, "hessian_batch", hessian_batch)
         defaults = dict(
             lr=lr, betas=betas, rho=rho, weight_decay=weight_decay, eps=eps, update_period=update_period,
             maximize=maximize,
@@ -88,6 +106,7 @@ class _Sophia(_closure.SecondOrderOptimizer):
             device = self.param_groups[0]["params"][0].device
             generator = _dist.shared_generator(device, self.group, per_rank=self._probes_per_rank)
         self.generator = generator
+        self.hessian_batch = hessian_batch
         self._refresh_requested = False  # update_hessian was called since the last step
         self._pending_refresh = False  # ... and refreshed h
 
@@ -99,6 +118,12 @@ class _Sophia(_closure.SecondOrderOptimizer):
         self, result: _closure.ClosureResult, params: list[Tensor], groups: list[dict[str, Any]]
     ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
         """Gradient and fresh diagonal estimate :math:`\\hat h` from one closure evaluation, averaged over the ranks."""
+        raise NotImplementedError
+
+    def _diagonal(
+        self, result: _closure.ClosureResult, params: list[Tensor], groups: list[dict[str, Any]]
+    ) -> tuple[Tensor, ...]:
+        """The estimate :math:`\\hat h` alone from a closure evaluation (the curvature rows), averaged over the ranks."""
         raise NotImplementedError
 
     def _estimate_from_grads(
@@ -113,55 +138,81 @@ class _Sophia(_closure.SecondOrderOptimizer):
 
         With a closure (which runs the forward and returns what the subclass needs, without
         calling backward) the optimizer takes the gradient itself, and every ``update_period``-th
-        step (the first included) refreshes :math:`h` from the same forward. Without one it uses
+        step (the first included) refreshes :math:`h`: from the same forward, or with ``hessian_batch``
+        from ``closure(rows)``, the first rows of the batch. Without one it uses
         ``p.grad`` from the caller's ``loss.backward()`` (parameters without a gradient are
         skipped) and the estimate from the last :meth:`update_hessian` (SophiaH also takes it
         from the graph of ``p.grad`` after ``loss.backward(create_graph=True)``).
+
+        The loss, gradient, estimate and new values are checked for finiteness together, after the
+        update is computed and before it is written: one host synchronisation on a step without a refresh.
         """
         params, groups = self._trainable()
         if closure is None:
             kept = [(p, group) for p, group in zip(params, groups) if p.grad is not None]
             params, groups = [p for p, _ in kept], [group for _, group in kept]
-        self.stats = dict(loss=float("nan"), hessian_refreshed=0.0, unclipped_fraction=float("nan"),
-                          clip_fraction=float("nan"), step_skipped=1.0)  # fmt: skip
+        self.stats = dict(loss=float("nan"), hessian_refreshed=0.0, hessian_rows=float("nan"),
+                          unclipped_fraction=float("nan"), clip_fraction=float("nan"), step_skipped=1.0)  # fmt: skip
         if not params:
             return self._step_without_update(closure)
         count = self._global().get("step", 0)
         due = self._due(groups)
         loss, estimate = None, None
         if closure is not None:
-            result, loss, finite = self._evaluate_loss(closure)
-            if not finite:
-                return loss
+            result = _closure.evaluate(closure, self._owner)
+            loss = _dist.average_loss(result.loss.detach(), self.group)
             with torch.enable_grad(), _closure.graph_errors(self._owner):
-                if any(due):
-                    grads, estimate = self._estimate(result, params, groups)
-                else:
-                    grads = tuple(g.detach() for g in _closure.gradients(result.loss, params))
-                    _closure.check_dense(self._owner, grads)
-                    grads = _dist.all_average(grads, self.group)
+                grads, estimate = self._gradient_and_estimate(closure, result, params, groups, any(due))
         else:
             grads, estimate = self._grads_without_closure(params, groups, any(due), first=count == 0)
-        _closure.store_grads(params, grads)
-        if not _closure.all_finite(grads):
-            _closure.warn_skipped(self._owner, "gradient")
+        estimate = tuple(e if d and e is not None else None for e, d in zip(estimate or (None,) * len(params), due))
+        update = self._propose_all(params, groups, grads, estimate)
+        fresh = [e for e in estimate if e is not None]
+        checks = {"loss": [] if loss is None else [loss], "gradient": grads, "curvature (Hessian estimate)": fresh,
+                  "update (a new parameter or state value)": [*update.params, *update.m, *update.refreshed]}
+        flags = [_closure.finite_flag(tensors).double() for tensors in checks.values() if tensors]
+        loss_value, *finite, unclipped = torch.stack(
+            [loss.double().reshape(()) if loss is not None else grads[0].new_tensor(math.nan, dtype=torch.float64),
+             *flags, update.unclipped.double()]
+        ).tolist()  # the step's one host synchronisation, unless its estimate needed more
+        self.stats["loss"] = loss_value
+        failed = iter(cause for cause, ok in zip((c for c, t in checks.items() if t), finite) if not ok)
+        cause = next(failed, None)
+        if cause != "loss":
+            _closure.store_grads(params, grads)
+        if cause is not None:
+            _closure.warn_skipped(self._owner, cause)
             return loss
-        if estimate is None:
-            estimate = (None,) * len(params)
-        estimate = tuple(e if d else None for e, d in zip(estimate, due))  # the groups that are due
-        if not _closure.all_finite([e for e in estimate if e is not None]):
-            _closure.warn_skipped(self._owner, "curvature (Hessian estimate)")
-            return loss
-        fraction = self._update(params, groups, grads, estimate)
-        if fraction is None:
-            return loss
+        torch._foreach_copy_(update.order, update.params)
+        for p, m, h in zip(update.order, update.m, update.h):
+            self.state[p].update(exp_avg=m, hessian=h)
         self._global()["step"] = count + 1
+        fraction = unclipped / sum(p.numel() for p in params)
         self.stats.update(
-            hessian_refreshed=float(self._pending_refresh or any(e is not None for e in estimate)),
-            unclipped_fraction=fraction, clip_fraction=1 - fraction, step_skipped=0.0,
+            hessian_refreshed=float(self._pending_refresh or bool(fresh)), unclipped_fraction=fraction,
+            clip_fraction=1 - fraction, step_skipped=0.0,
         )  # fmt: skip
         self._refresh_requested = self._pending_refresh = False
         return loss
+
+    def _gradient_and_estimate(
+        self, closure: _closure.Closure, result: _closure.ClosureResult, params: list[Tensor],
+        groups: list[dict[str, Any]], refresh: bool,
+    ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...] | None]:
+        """The gradient of ``closure()`` and, on a refresh step, :math:`\\hat h`: from the same evaluation, or with
+        ``hessian_batch`` from ``closure(rows)`` (:func:`optim._closure.curvature_rows`); rank averages."""
+        rows = None
+        if refresh:
+            rows, counted = _closure.curvature_rows(self._owner, "hessian_batch", self.hessian_batch, result, closure)
+            self.stats["hessian_rows"] = counted
+            if rows is None:
+                return self._estimate(result, params, groups)
+        grads = tuple(g.detach() for g in _closure.gradients(result.loss, params))
+        _closure.check_dense(self._owner, grads)
+        grads = _dist.all_average(grads, self.group)
+        if rows is None:
+            return grads, None
+        return grads, self._diagonal(_closure.evaluate(functools.partial(closure, rows), self._owner), params, groups)
 
     def _due(self, groups: list[dict[str, Any]]) -> list[bool]:
         """For each group, whether the next step refreshes its :math:`h` (not if :meth:`update_hessian` just did)."""
@@ -172,6 +223,11 @@ class _Sophia(_closure.SecondOrderOptimizer):
     def refreshes_next_step(self) -> bool:
         """Whether the next step refreshes :math:`h` (of any group), taking a curvature estimate through the closure."""
         return any(self._due(self._trainable()[1]))
+
+    def differentiates_twice(self, rows: bool = False) -> bool:
+        """Whether the next step differentiates ``closure()`` (``rows`` false) or ``closure(rows)`` twice: the
+        call of a refresh step's estimate, ``closure(rows)`` with ``hessian_batch``, else ``closure()``."""
+        return self.refreshes_next_step and rows == (self.hessian_batch is not None)
 
     def _grads_without_closure(
         self, params: list[Tensor], groups: list[dict[str, Any]], refresh: bool, first: bool
@@ -209,35 +265,30 @@ class _Sophia(_closure.SecondOrderOptimizer):
         return [self.state[p][key] if key in self.state[p] else zeros(p, memory_format=torch.preserve_format)
                 for p in params]
 
-    def _update(
+    def _propose_all(
         self, params: list[Tensor], groups: list[dict[str, Any]], grads: tuple[Tensor, ...],
         estimate: tuple[Tensor | None, ...],
-    ) -> float | None:
-        """Write every parameter's new value, :math:`m` and :math:`h` if all of them are finite; returns the
-        unclipped fraction, or ``None`` after a warning if some value is not (then nothing is written).
+    ) -> _Update:
+        """Every parameter's new value, :math:`m` and :math:`h`, computed out of place (nothing is written).
 
-        The new values are computed out of place with ``torch._foreach`` ops, a few kernel launches
-        per parameter group (as in torch's AdamW) rather than about a dozen per parameter, so that a
-        step without a refresh costs about an AdamW step; they are all alive until they are written.
+        ``torch._foreach`` ops do it in a few kernel launches per parameter group (as in torch's AdamW)
+        rather than about a dozen per parameter, so that a step without a refresh costs about an AdamW
+        step; the new values are all alive until they are written.
         """
         members: dict[int, list[int]] = {}
         for i, group in enumerate(groups):
             members.setdefault(id(group), []).append(i)
-        ordered, new_params, new_m, new_h, refreshed, steps = [], [], [], [], [], []
+        update = _Update([], [], [], [], [], None)
+        steps = []
         for indices in members.values():
             mine, fresh = [params[i] for i in indices], [estimate[i] for i in indices]
             new, m, h, step = self._propose(groups[indices[0]], mine, [grads[i] for i in indices], fresh)
-            for collected, part in ((ordered, mine), (new_params, new), (new_m, m), (new_h, h), (steps, step)):
+            for collected, part in ((update.order, mine), (update.params, new), (update.m, m), (update.h, h),
+                                    (steps, step)):  # fmt: skip
                 collected += part
-            refreshed += h if fresh[0] is not None else []
-        if not _closure.all_finite(new_params, new_m, refreshed):
-            _closure.warn_skipped(self._owner, "update (a new parameter or state value)", stacklevel=4)
-            return None
-        torch._foreach_copy_(ordered, new_params)
-        for p, m, h in zip(ordered, new_m, new_h):
-            self.state[p].update(exp_avg=m, hessian=h)
-        unclipped = torch.cat([step.reshape(-1) for step in steps]).abs_().lt(1).sum()
-        return float(unclipped) / sum(p.numel() for p in params)
+            update.refreshed += h if fresh[0] is not None else []
+        update.unclipped = torch.cat([step.reshape(-1) for step in steps]).abs_().lt(1).sum()
+        return update
 
     def _propose(
         self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], estimate: list[Tensor | None]
@@ -324,6 +375,13 @@ class SophiaH(_Sophia):
             :func:`optim.distributed.shared_generator`.
         distributed: ``True`` (the default process group) or a process group: average over its
             ranks (see the Sophia class docstring). ``False``: one process.
+        hessian_batch: Rows of the batch the refresh's estimate runs on: ``None`` (all, on the gradient's
+            own forward), a count :math:`m \ge 1` or a fraction :math:`f \in (0, 1)` of the :math:`R` rows
+            (the leading dimension of the closure's outputs, or targets; :math:`m = \max(1, \lfloor f R
+            \rfloor)`), as NewtonCG's ``curvature_batch``: a refresh step then takes the gradient from
+            ``closure()`` (differentiated once) and :math:`\hat h` from ``closure(slice(0, m))``, the estimate of
+            the mean loss over those rows (Liu et al. estimate on a subset of the batch too). The closure takes
+            ``rows``: ``def closure(rows=slice(None))``. ``stats["hessian_rows"]`` reports :math:`m`.
     """
 
     _owner = "SophiaH"
@@ -337,9 +395,11 @@ class SophiaH(_Sophia):
         betas: tuple[float, float] = (0.965, 0.99), rho: float = 0.01, weight_decay: float = 0.1, eps: float = 1e-15,
         *, update_period: int = 10, maximize: bool = False, distribution: Distribution = "gaussian",
         num_samples: int = 1, generator: torch.Generator | None = None, distributed: _dist.Distributed = False,
+        hessian_batch: int | float | None = None,
     ) -> None:  # fmt: skip
         _closure.check_hyperparameters(self._owner, {"num_samples": num_samples}, {"num_samples": _closure.COUNT})
-        super().__init__(params, lr, betas, rho, weight_decay, eps, update_period, maximize, generator, distributed)
+        super().__init__(params, lr, betas, rho, weight_decay, eps, update_period, maximize, generator, distributed,
+                         hessian_batch)
         self.distribution, self.num_samples = distribution, num_samples
 
     def _hutchinson(
@@ -355,6 +415,9 @@ class SophiaH(_Sophia):
 
     def _estimate(self, result, params, groups):
         return self._hutchinson(HessianOperator(result.loss, params), groups)
+
+    def _diagonal(self, result, params, groups):
+        return self._hutchinson(HessianOperator(result.loss, params), groups, with_gradient=False)[1]
 
     def _estimate_from_grads(self, params, groups):
         grads = tuple(p.grad for p in params)
@@ -423,6 +486,49 @@ def _sampled_loss_gradient(
     return gradient
 
 
+def gauss_newton_bartlett(
+    logits: Tensor,
+    targets: Tensor | None,
+    params: list[Tensor],
+    *,
+    ignore_index: int = -100,
+    generator: torch.Generator | None = None,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    group: _dist.Group = None,
+    owner: str = "gauss_newton_bartlett",
+) -> tuple[Tensor, ...]:
+    r"""The Gauss-Newton-Bartlett estimate of the diagonal of the cross-entropy's Gauss-Newton matrix (Sophia-G's).
+
+    With the logits :math:`z_b` of the :math:`B` counted rows (targets not ``ignore_index``), labels
+    :math:`\hat y_b \sim \operatorname{softmax}(z_b)` sampled from the model and
+    :math:`\hat g = \nabla_\theta \frac1B \sum_b \ell_{CE}(z_b, \hat y_b)`,
+
+    .. math:: \hat h = B\, \hat g \circ \hat g, \qquad
+              \mathbb{E}[\hat h] = \operatorname{diag} \tfrac1B \textstyle\sum_b J_b^\top H_b J_b,
+
+    the diagonal of the Gauss-Newton matrix of the mean loss (Bartlett's identity: the cross terms of
+    different rows vanish in expectation). One backward through the graph of ``logits`` (kept); the
+    labels are drawn a chunk of rows at a time (:func:`_sampled_loss_gradient`). With ``group``, the
+    ranks' gradients are combined, weighted by their counted rows :math:`B_r`, into the whole batch's
+    :math:`\hat g = \sum_r B_r \hat g_r / \sum_r B_r` before squaring. Non-finite logits in counted rows
+    give a NaN estimate.
+    """
+    rows, counted = logit_rows(logits, targets, ignore_index, owner)
+    count = max(int(counted.sum()), 1)
+    cotangent = _sampled_loss_gradient(rows.detach(), counted, count, generator, chunk_elements)
+    if cotangent is not None:
+        sampled_grads = _vjp([logits], params, [cotangent.view(logits.shape)], retain_graph=True)
+    else:  # the estimate at non-finite logits is not finite: the caller skips it with a warning
+        sampled_grads = tuple(torch.full_like(p, math.nan) for p in params)
+    if group is not None:  # the whole batch's gradient: rank sums of B_r g_r and of B_r
+        size = _dist.dist.get_world_size(group)
+        local = (*(count * g for g in sampled_grads), logits.new_full((1,), float(count), dtype=torch.float64))
+        summed = tuple(size * t for t in _dist.all_average(local, group))
+        count = float(summed[-1])
+        sampled_grads = tuple(t / count for t in summed[:-1])
+    return tuple(count * g * g for g in sampled_grads)
+
+
 class SophiaG(_Sophia):
     r"""Sophia with the Gauss-Newton-Bartlett estimate of the Hessian diagonal (Sophia-G), for softmax cross-entropy.
 
@@ -485,6 +591,13 @@ class SophiaG(_Sophia):
             loss's gradient w.r.t. the logits are formed a chunk of rows at a time, so a refresh
             holds one tensor the size of the logits (that gradient) besides a chunk's float32
             temporaries (see :func:`~optim.curvature.row_chunks`).
+        hessian_batch: Rows of the batch the refresh's estimate runs on: ``None`` (all, on the gradient's
+            own forward), a count :math:`m \ge 1` or a fraction :math:`f \in (0, 1)` of the :math:`R` rows
+            (the leading dimension of the closure's outputs, or targets; :math:`m = \max(1, \lfloor f R
+            \rfloor)`), as NewtonCG's ``curvature_batch``: a refresh step then takes the gradient from
+            ``closure()`` (differentiated once) and :math:`\hat h` from ``closure(slice(0, m))``, the estimate of
+            the mean loss over those rows (Liu et al. estimate on a subset of the batch too). The closure takes
+            ``rows``: ``def closure(rows=slice(None))``. ``stats["hessian_rows"]`` reports :math:`m`.
     """
 
     _owner = "SophiaG"
@@ -509,11 +622,13 @@ class SophiaG(_Sophia):
         generator: torch.Generator | None = None,
         distributed: _dist.Distributed = False,
         chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+        hessian_batch: int | float | None = None,
     ) -> None:
         _closure.check_hyperparameters(
             self._owner, {"chunk_elements": chunk_elements}, {"chunk_elements": _closure.COUNT}
         )
-        super().__init__(params, lr, betas, rho, weight_decay, eps, update_period, maximize, generator, distributed)
+        super().__init__(params, lr, betas, rho, weight_decay, eps, update_period, maximize, generator, distributed,
+                         hessian_batch)
         self.ignore_index, self.chunk_elements = ignore_index, chunk_elements
 
     def _counted_rows(self, logits: Tensor, targets: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -527,31 +642,30 @@ class SophiaG(_Sophia):
         return logit_rows(logits, targets, self.ignore_index, self._owner)
 
     def _bartlett(self, logits: Tensor, targets: Tensor | None, params: list[Tensor]) -> tuple[Tensor, ...]:
-        rows, counted = self._counted_rows(logits, targets)
-        count = max(int(counted.sum()), 1)
-        cotangent = _sampled_loss_gradient(rows.detach(), counted, count, self.generator, self.chunk_elements)
-        if cotangent is not None:
-            sampled_grads = _vjp([logits], params, [cotangent.view(logits.shape)], retain_graph=True)
-        else:  # the estimate at non-finite logits is not finite: the caller skips it with a warning
-            sampled_grads = tuple(torch.full_like(p, math.nan) for p in params)
-        if self.group is not None:  # the whole batch's gradient: rank sums of B_r g_r and of B_r
-            size = _dist.dist.get_world_size(self.group)
-            local = (*(count * g for g in sampled_grads), logits.new_full((1,), float(count), dtype=torch.float64))
-            summed = tuple(size * t for t in _dist.all_average(local, self.group))
-            count = float(summed[-1])
-            sampled_grads = tuple(t / count for t in summed[:-1])
-        return tuple(count * g * g for g in sampled_grads)
+        self._counted_rows(logits, targets)
+        return gauss_newton_bartlett(
+            logits, targets, params, ignore_index=self.ignore_index, generator=self.generator,
+            chunk_elements=self.chunk_elements, group=self.group, owner=self._owner,
+        )  # fmt: skip
 
     def _estimate(self, result, params, groups):
+        grads = tuple(g.detach() for g in _closure.gradients(result.loss, params, retain_graph=True))
+        _closure.check_dense(self._owner, grads)
+        grads = _dist.all_average(grads, self.group)
+        return grads, self._diagonal(result, params, groups)
+
+    def _diagonal(self, result, params, groups):
         if result.outputs is None:
             raise RuntimeError(
                 "SophiaG refreshes its estimate from the logits: on refresh steps the closure must return "
                 "(loss, logits) or a dict with 'outputs'"
             )
-        grads = tuple(g.detach() for g in _closure.gradients(result.loss, params, retain_graph=True))
-        _closure.check_dense(self._owner, grads)
-        grads = _dist.all_average(grads, self.group)
-        return grads, self._bartlett(result.outputs, result.targets, params)
+        return self._bartlett(result.outputs, result.targets, params)
+
+    def differentiates_twice(self, rows: bool = False) -> bool:
+        """False: the Gauss-Newton-Bartlett estimate differentiates the graph once (a backward of the loss at
+        sampled labels), so every call may run a once-differentiable attention."""
+        return False
 
     @torch.no_grad()
     def update_hessian(self, logits: Tensor, targets: Tensor | None = None) -> None:

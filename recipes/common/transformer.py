@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from typing import Callable
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
@@ -58,12 +59,15 @@ def attention_function(name: str) -> AttentionFn:
 
 
 class AttentionSwitch:
-    """A model's attention: ``attention`` on every pass, except inside :meth:`for_curvature`, where it is a
-    twice-differentiable one: the same if ``attention`` already is, else flashbob's (``auto``).
+    """A model's attention: ``attention`` on every pass, except inside :meth:`for_curvature` and on inputs that
+    carry forward-mode tangents, where it is a twice-differentiable one with forward-mode rules: the same if
+    ``attention`` already is, else flashbob's (``auto``).
 
     With ``attention="sdpa"`` a recipe runs the passes that are differentiated once (first-order steps,
     the steps of a second-order optimizer that take no curvature, evaluation) on torch's fused attention
-    and only the passes an optimizer differentiates twice on flashbob. Call it as an attention function.
+    and only the passes an optimizer differentiates twice, or pushes tangents through (forward-mode
+    curvature products: torch's fused SDPA has no forward-mode rule), on flashbob. Call it as an attention
+    function.
 
     Attributes:
         first_order: The attention outside :meth:`for_curvature`.
@@ -76,7 +80,8 @@ class AttentionSwitch:
         self._curvature = False
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
-        attend = self.twice if self._curvature else self.first_order
+        tangents = any(fwAD.unpack_dual(t).tangent is not None for t in (q, k, v))
+        attend = self.twice if self._curvature or tangents else self.first_order
         return attend(q, k, v, causal=causal)
 
     @contextmanager

@@ -4,11 +4,12 @@ AdamW gets gradients from ``loss.backward()``. The second-order optimizers (from
 package) compute what they need themselves: ``opt.step(closure)`` with a closure that runs the
 forward pass and returns ``(loss, logits)`` without calling backward (NewtonCG and SophiaG build a
 Gauss-Newton product or estimate from the logits; SophiaH and AdaHessian use the loss alone). The
-closure takes an optional ``rows`` slice (NewtonCG's ``curvature_batch`` evaluates the curvature on
-``closure(rows)``), and runs the model with its attention switched to the twice-differentiable one
-only when the optimizer will take curvature through that call: on the steps where its
-``refreshes_next_step`` is true, and on every ``closure(rows)``. The other passes run on the model's
-own attention (torch SDPA with ``model.attention=sdpa``), at the cost of a first-order step.
+closure takes an optional ``rows`` slice (NewtonCG's ``curvature_batch`` and Sophia's ``hessian_batch``
+evaluate the curvature on ``closure(rows)``), and runs the model with its attention switched to the
+twice-differentiable one only when the optimizer will differentiate that call's graph twice (its
+``differentiates_twice(rows)``). The other passes run on the model's own attention (torch SDPA with
+``model.attention=sdpa``), at the cost of a first-order pass; passes with forward-mode tangents switch by
+themselves (:class:`~recipes.common.transformer.AttentionSwitch`).
 
 Data parallel (``torchrun``), AdamW sees gradients that DDP averaged in ``backward``; the
 second-order optimizers are built with ``distributed=True`` and average what they compute
@@ -114,28 +115,30 @@ def train_step(opt: torch.optim.Optimizer, forward: Forward, micro_batches: Sequ
     First order: gradients of the micro-batches' mean loss accumulate through ``backward``, are
     clipped to norm ``grad_clip`` (0: not clipped) and ``opt.step()`` applies them; ``no_sync``
     (DDP's) skips gradient averaging on all but the last micro-batch. Second order:
-    ``opt.step(closure)`` on the single micro-batch; the returned loss is the closure's first value.
-    Each closure call runs inside ``for_curvature(on)`` (the model's
-    :meth:`~recipes.common.transformer.AttentionSwitch.for_curvature`), ``on`` when the optimizer takes
-    curvature through it: every call of a step whose ``refreshes_next_step`` is true (of an optimizer
-    without that property, every step), and every ``closure(rows)``.
+    ``opt.step(closure)`` on the single micro-batch; the returned loss is the closure's first value, read
+    after the step (no host synchronisation in the middle of it). Each closure call runs in the grad mode the
+    optimizer calls it in (its trial points record no graph) and inside ``for_curvature(on)`` (the model's
+    :meth:`~recipes.common.transformer.AttentionSwitch.for_curvature`), ``on`` when the optimizer
+    differentiates that call twice: ``opt.differentiates_twice(rows is not None)``, asked before the step (an
+    optimizer without that method: every call).
     """
     opt.zero_grad(set_to_none=True)
     if is_second_order(type(opt)):
         (inputs, targets), = micro_batches
-        first: list[float] = []
-        refresh = getattr(opt, "refreshes_next_step", True)
+        first: list[torch.Tensor] = []
+        twice = getattr(opt, "differentiates_twice", lambda rows: True)
+        whole_twice, rows_twice = twice(False), twice(True)
 
         def closure(rows: slice | None = None):
             batch = (inputs, targets) if rows is None else (inputs[rows], targets[rows])
-            with torch.enable_grad(), for_curvature(refresh or rows is not None):
+            with for_curvature(whole_twice if rows is None else rows_twice):
                 loss, logits = forward(*batch)
             if not first:
-                first.append(loss.item())
+                first.append(loss.detach())
             return loss, logits
 
         opt.step(closure)
-        return first[0], optimizer_stats(opt)
+        return first[0].item(), optimizer_stats(opt)
     total = 0.0
     for i, (inputs, targets) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
