@@ -21,7 +21,8 @@ and one that does not, for the others any step. Each kind is profiled twice, on 
   one kernel launch each) and host synchronisations (``.item()``, ``float()``, ``bool()`` of a tensor,
   ``.tolist()``, boolean-mask indexing, ``nonzero``) in each phase.
 
-Prints one Markdown table per profiled step; ``--out`` also writes every row to a CSV.
+Prints one Markdown table per profiled step; ``--out`` also writes every row to a CSV (rewritten after each
+optimizer).
 """
 
 from __future__ import annotations
@@ -322,9 +323,9 @@ def main() -> None:
             text, rows = table(optimizer, kind, profiler, counter)
             print(text, end="\n\n", flush=True)
             every += rows
-    if args.out is not None:
-        write_rows(args.out, every, ["optimizer", "kind", "phase", "calls", "device_ms", "host_ms", "aten_ops",
-                                     "host_syncs"])
+        if args.out is not None:  # after each optimizer, so that a run stopped early keeps what it measured
+            write_rows(args.out, every, ["optimizer", "kind", "phase", "calls", "device_ms", "host_ms", "aten_ops",
+                                         "host_syncs"])
 
 
 if __name__ == "__main__":
