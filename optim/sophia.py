@@ -591,13 +591,8 @@ class SophiaG(_Sophia):
             loss's gradient w.r.t. the logits are formed a chunk of rows at a time, so a refresh
             holds one tensor the size of the logits (that gradient) besides a chunk's float32
             temporaries (see :func:`~optim.curvature.row_chunks`).
-        hessian_batch: Rows of the batch the refresh's estimate runs on: ``None`` (all, on the gradient's
-            own forward), a count :math:`m \ge 1` or a fraction :math:`f \in (0, 1)` of the :math:`R` rows
-            (the leading dimension of the closure's outputs, or targets; :math:`m = \max(1, \lfloor f R
-            \rfloor)`), as NewtonCG's ``curvature_batch``: a refresh step then takes the gradient from
-            ``closure()`` (differentiated once) and :math:`\hat h` from ``closure(slice(0, m))``, the estimate of
-            the mean loss over those rows (Liu et al. estimate on a subset of the batch too). The closure takes
-            ``rows``: ``def closure(rows=slice(None))``. ``stats["hessian_rows"]`` reports :math:`m`.
+        hessian_batch: Rows of the batch the label sampling runs on, as in :class:`SophiaH`: ``None`` (all),
+            a count or a fraction; the closure then takes ``rows`` and returns ``(loss, logits)`` of those rows.
     """
 
     _owner = "SophiaG"
