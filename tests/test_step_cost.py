@@ -40,8 +40,8 @@ def spd(n: int, gen: torch.Generator, eigenvalues: Tensor) -> Tensor:
 @pytest.mark.parametrize(("eps", "window"), [(5e-4, 10), (1e-2, 2)])
 def test_cg_progress_rule_stops_at_the_first_iteration_where_it_holds(gen, eps, window):
     """Martens (2010): stop at i > k when phi_i < 0 and (phi_i - phi_{i-k}) / phi_i < k eps, k = max(window, i/10)."""
-    n = 80
-    a = spd(n, gen, torch.logspace(-4, 0, n, dtype=DTYPE))
+    n = 80  # condition number 1e3: over 200 seeds the rule first holds by iteration 46 (1e4: never, for 15% of them)
+    a = spd(n, gen, torch.logspace(-3, 0, n, dtype=DTYPE))
     b = torch.randn(n, generator=gen, dtype=DTYPE)
     matvec = lambda v: (a @ v[0],)  # noqa: E731
     full = cg(matvec, (b,), max_iter=n, tol=0.0, save_at=range(1, n + 1))
