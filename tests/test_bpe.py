@@ -101,7 +101,7 @@ def test_rank_zero_runs_first_and_the_others_after_the_barrier(monkeypatch, rank
     [
         (["data.tokenizer=bpe", "data.vocab_size=256"], "data.vocab_size must be >= 257 for data.tokenizer=bpe"),
         (["data.tokenizer=bpe", "data.source=binary", "data.path=pyproject.toml"],
-         "data.tokenizer=bpe trains a tokenizer on text: data.source must be stdlib or text, not binary"),
+         "data.tokenizer=bpe trains a tokenizer on text: data.source must be stdlib, packages or text, not binary"),
         (["data.tokenizer=words"], "data.tokenizer must be one of bytes, bpe; got 'words'"),
         (["model.vocab_size=0"], "model.vocab_size must be > 0 or null"),
     ],

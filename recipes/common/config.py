@@ -33,6 +33,8 @@ class TrainConfig:
     keep_checkpoints: int = 2  # newest checkpoints kept; 0: all
     resume: Optional[str] = None  # None | auto (newest checkpoint of this run, if any) | checkpoint file or folder
     progress: bool = True  # tqdm progress bar
+    max_seconds: float = 0.0  # stop after the step at which this process's steps after its first (which
+    # compiles) have taken this long in all (the step evaluates and checkpoints as the last); 0: off
 
 
 @dataclass
@@ -111,7 +113,7 @@ COMMON_CHOICES = {
     "logger.wandb_mode": ("offline", "online", "disabled"),
 }
 COMMON_POSITIVE = ("train.log_interval",)
-COMMON_NON_NEGATIVE = ("train.threads", "train.checkpoint_interval", "train.keep_checkpoints")
+COMMON_NON_NEGATIVE = ("train.threads", "train.checkpoint_interval", "train.keep_checkpoints", "train.max_seconds")
 
 
 def check(cfg: DictConfig, choices: dict[str, tuple], positive: Iterable[str] = (),
@@ -145,7 +147,7 @@ def check_data(data_cfg: DictConfig) -> None:
     and binary (one file) sources."""
     if not 0 < data_cfg.val_fraction < 1:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {data_cfg.val_fraction}")
-    if data_cfg.source == "stdlib":
+    if data_cfg.source in ("stdlib", "packages"):
         return
     if not data_cfg.path:
         raise ConfigError(f"data.path is required for data.source={data_cfg.source}")

@@ -1,8 +1,9 @@
 """Byte-level token streams for the LM and TTT recipes and the random windows that batch them.
 
 Tokens are bytes (vocabulary 256), so nothing is downloaded: the built-in corpus is the Python
-standard library's own ``.py`` source, read from the running interpreter's installation. Text
-files (a glob) or a pre-tokenised binary file (``uint8``/``uint16``) can be used instead.
+standard library's own ``.py`` source, read from the running interpreter's installation, or, larger,
+the ``.py`` source of its installed packages (``site-packages``). Text files (a glob) or a
+pre-tokenised binary file (``uint8``/``uint16``) can be used instead.
 Documents are joined with a NUL byte, which never occurs in text, as the separator.
 """
 
@@ -53,6 +54,13 @@ def stdlib_sources() -> list[tuple[str, Path]]:
         if not {"site-packages", "dist-packages"} & set(name.split("/")) and path.is_file():
             files.append((name, path))
     return sorted(files)
+
+
+def package_sources() -> list[tuple[str, Path]]:
+    """``(relative name, path)`` of every ``.py`` file of the interpreter's installed packages (``sysconfig``'s
+    ``purelib``, its ``site-packages``), sorted by name: a corpus that depends on what is installed."""
+    root = Path(sysconfig.get_paths()["purelib"])
+    return sorted((path.relative_to(root).as_posix(), path) for path in root.rglob("*.py") if path.is_file())
 
 
 def text_sources(pattern: str) -> list[tuple[str, Path]]:
@@ -107,14 +115,17 @@ def binary_corpus(path: str, dtype: str, val_fraction: float) -> Corpus:
 
 
 def load_corpus(source: str, path: str | None, max_bytes: int, val_fraction: float, binary_dtype: str) -> Corpus:
-    """The corpus named by ``source``: ``"stdlib"``, ``"text"`` (glob ``path``) or ``"binary"`` (file ``path``)."""
+    """The corpus named by ``source``: ``"stdlib"``, ``"packages"``, ``"text"`` (glob ``path``) or ``"binary"``
+    (file ``path``)."""
     if source == "stdlib":
         return split_documents(stdlib_sources(), max_bytes, val_fraction)
+    if source == "packages":
+        return split_documents(package_sources(), max_bytes, val_fraction)
     if source == "text":
         return split_documents(text_sources(path), max_bytes, val_fraction)
     if source == "binary":
         return binary_corpus(path, binary_dtype, val_fraction)
-    raise ValueError(f"data.source must be 'stdlib', 'text' or 'binary', got {source!r}")
+    raise ValueError(f"data.source must be 'stdlib', 'packages', 'text' or 'binary', got {source!r}")
 
 
 class Batches:

@@ -5,7 +5,7 @@
     claim the folder (lock it, remove what killed writes left)
     seed; build the recipe (model, optimizer, data) on the device
     resume: restore the recipe's parts and the random-number states from a checkpoint (train.resume)
-    for each step up to train.steps:
+    for each step up to train.steps (or until train.max_seconds of steps after this process's first):
         take the recipe's step; stop if its loss is not finite
         every train.log_interval steps (and the first and last): log the step's metrics
         every train.eval_interval steps (and the last; the first too if the recipe asks): evaluate and log
@@ -119,26 +119,29 @@ def _run(cfg: DictConfig, run_dir: Path, build: Build, ctx: distributed.Context,
     t = cfg.train
     last: dict[str, float] = {}
     bar = tqdm(total=t.steps, initial=step, disable=not (t.progress and ctx.is_main), desc=cfg.name, unit="step")
+    first_step, trained_s, final = step + 1, 0.0, False
     try:
-        while step < t.steps:
+        while step < t.steps and not final:
             start = time.perf_counter()
             result = recipe.step()
             step += 1
             elapsed = time.perf_counter() - start
             if not math.isfinite(result.loss):
                 raise FloatingPointError(f"training loss became {result.loss} at step {step}")
+            trained_s += elapsed if step > first_step else 0.0
+            final = step == t.steps or out_of_time(trained_s, t.max_seconds, ctx)
             bar.update()
             bar.set_postfix(loss=f"{result.loss:.3f}", **result.progress, refresh=False)
             metrics = {}
-            if step % t.log_interval == 0 or step in (1, t.steps):
+            if step % t.log_interval == 0 or step == 1 or final:
                 metrics.update(result.metrics(elapsed))
-            if step % t.eval_interval == 0 or step == t.steps or (step == 1 and recipe.evaluate_first_step):
+            if step % t.eval_interval == 0 or final or (step == 1 and recipe.evaluate_first_step):
                 metrics.update(recipe.evaluate())
             if metrics:
                 if logger is not None:
                     logger.log(step, metrics)
                 last.update(metrics)
-            if (t.checkpoint_interval and step % t.checkpoint_interval == 0) or step == t.steps:
+            if (t.checkpoint_interval and step % t.checkpoint_interval == 0) or final:
                 save_checkpoint()
         distributed.barrier(ctx)  # rank 0's last checkpoint and logs are written when any rank returns
     finally:
@@ -146,3 +149,9 @@ def _run(cfg: DictConfig, run_dir: Path, build: Build, ctx: distributed.Context,
         if logger is not None:
             logger.close()
     return last
+
+
+def out_of_time(trained_s: float, max_seconds: float, ctx: distributed.Context) -> bool:
+    """Whether ``trained_s`` seconds of training reach ``max_seconds`` (0: never), decided alike on every rank
+    (their mean time: one scalar all-reduce per step, only with a limit)."""
+    return max_seconds > 0 and distributed.average(trained_s, ctx) >= max_seconds

@@ -64,13 +64,14 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "stdlib"  # stdlib (the interpreter's own .py files) | text (glob in path) | binary (file in path)
+    source: str = "stdlib"  # stdlib (the interpreter's own .py files) | packages (its installed packages' .py
+    # files: site-packages) | text (glob in path) | binary (file in path)
     path: Optional[str] = None  # glob of text files, or a pre-tokenised binary file
     binary_dtype: str = "uint16"  # uint8 | uint16, token type of a binary file
     tokenizer: str = "bytes"  # bytes (UTF-8 bytes; a binary file: its ids) | bpe (trained on the corpus, cached)
     vocab_size: int = 32768  # bpe: tokens of the trained tokenizer (>= 257: the 256 bytes and the separator)
     cache_dir: Optional[str] = None  # bpe: folder of the trained tokenizer and the token ids; None: <out_dir>/cache
-    max_bytes: int = 4_000_000  # cap on the bytes read from stdlib/text sources
+    max_bytes: int = 4_000_000  # cap on the bytes read from stdlib/packages/text sources
     val_fraction: float = 0.05  # share of documents (stdlib/text) or of the tail (binary) held out
     context_length: int = 256  # tokens per training sequence
     batch_size: int = 8  # sequences per micro-batch and process (torchrun: the global batch is N times this)
@@ -120,7 +121,7 @@ CHOICES = {
     "model.norm": ("rmsnorm", "layernorm"),
     "model.mlp": ("swiglu", "gelu"),
     "model.attention": (*ATTENTION, *FIRST_ORDER_ATTENTION),
-    "data.source": ("stdlib", "text", "binary"),
+    "data.source": ("stdlib", "packages", "text", "binary"),
     "data.binary_dtype": tuple(data.BINARY_DTYPES),
     "data.tokenizer": ("bytes", "bpe"),
 }
@@ -129,6 +130,7 @@ POSITIVE = ("model.d_model", "model.n_layers", "model.n_heads", "model.mlp_ratio
             "train.grad_accum_steps", "train.eval_interval", "train.eval_batches")
 NON_NEGATIVE = ("optimizer.weight_decay", "optimizer.grad_clip", "optimizer.warmup_steps",
                 "optimizer.min_lr_ratio", "model.dropout")
+VALIDATION_SEED = 1  # the order of the validation windows (seed 0's train.seed + 1 before it was fixed)
 
 
 def validate(cfg: DictConfig) -> None:
@@ -158,8 +160,8 @@ def check_vocabulary(cfg: DictConfig) -> None:
     if cfg.data.tokenizer != "bpe":
         return
     if cfg.data.source == "binary":
-        raise ConfigError("data.tokenizer=bpe trains a tokenizer on text: data.source must be stdlib or text, not "
-                          "binary (a binary file holds token ids already: use data.tokenizer=bytes)")
+        raise ConfigError("data.tokenizer=bpe trains a tokenizer on text: data.source must be stdlib, packages or "
+                          "text, not binary (a binary file holds token ids already: use data.tokenizer=bytes)")
     if cfg.data.vocab_size < bpe.MIN_VOCAB_SIZE:
         raise ConfigError(f"data.vocab_size must be >= {bpe.MIN_VOCAB_SIZE} for data.tokenizer=bpe (the 256 bytes "
                           f"and the separator), got {cfg.data.vocab_size}")
@@ -220,7 +222,8 @@ def build(cfg: DictConfig, device: torch.device, autocast: Autocast, ctx: distri
     resolve_vocab_size(cfg, vocab_size)
     shard = {"rank": ctx.rank, "world_size": ctx.world_size}
     train_batches = data.Batches(corpus.train, d.context_length, d.batch_size, t.seed, "train", **shard)
-    val_batches = data.Batches(corpus.val, d.context_length, d.batch_size, t.seed + 1, "validation", **shard)
+    # the same validation windows for every train.seed (a fixed held-out set: runs of other seeds compare)
+    val_batches = data.Batches(corpus.val, d.context_length, d.batch_size, VALIDATION_SEED, "validation", **shard)
 
     model = GPT(**OmegaConf.to_container(cfg.model)).to(device)
     # AdamW: DDP averages the gradients in backward. Second order: no DDP (torch.autograd.grad bypasses

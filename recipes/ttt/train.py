@@ -47,9 +47,10 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "stdlib"  # stdlib (the interpreter's own .py files) | text (glob in path) | binary (file in path)
+    source: str = "stdlib"  # stdlib (the interpreter's own .py files) | packages (its installed packages' .py
+    # files: site-packages) | text (glob in path) | binary (file in path)
     path: Optional[str] = None  # glob of text files, or a pre-tokenised uint8 binary file
-    max_bytes: int = 4_000_000  # cap on the bytes read from stdlib/text sources
+    max_bytes: int = 4_000_000  # cap on the bytes read from stdlib/packages/text sources
     val_fraction: float = 0.05  # share of documents (stdlib/text) or of the tail (binary) held out
     context_length: int = 96  # tokens the inner loop trains on
     continuation_length: int = 32  # tokens the outer loss scores
@@ -102,7 +103,7 @@ class Config:
 
 CHOICES = {
     "model.attention": ATTENTION,
-    "data.source": ("stdlib", "text", "binary"),
+    "data.source": ("stdlib", "packages", "text", "binary"),
     "ttt.weights": tuple(ttt.WEIGHTS),
 }
 POSITIVE = ("model.d_model", "model.n_layers", "model.n_heads", "model.mlp_ratio", "data.max_bytes",
