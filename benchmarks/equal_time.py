@@ -400,6 +400,7 @@ class Session:
     description: str  # "context 8,192, 32,768 tokens per step" for the summary
     started: float
     failed: set[str]  # optimizers whose calibration failed in this invocation: their runs are left out
+    train_tokens: int | None = None  # the training split's tokens, once the data is loaded
 
     @property
     def sweep_csv(self) -> Path:
@@ -691,7 +692,10 @@ def summary(session: Session) -> str:
         seeds = sorted({key[2] for key in curves})
         setup = (f"With equal {a.budget_seconds:g} s training budgets on {device} ({session.description}; "
                  f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))})")
-        parts += [f"Comparison ({a.budget_seconds:g} s of training per run):\n\n" + run_table(rows),
+        seen = max(r["tokens"] for r in rows if r["tokens"] is not None)
+        repeats = f" ({seen / session.train_tokens:.2f} epochs)" if session.train_tokens else ""
+        parts += [f"Comparison ({a.budget_seconds:g} s of training per run; the most tokens a run saw: "
+                  f"{seen:,}{repeats}):\n\n" + run_table(rows),
                   "Time to target (validation loss; mean over seeds):\n\n" + target_table(times, targets),
                   conclusion(times, targets, setup)]
     return "\n\n".join(parts)
@@ -708,8 +712,10 @@ def main(argv: list[str] | None = None) -> None:
     check_setup(session.calibration_csv, session.setup)
     check_setup(session.comparison_csv, session.setup)
     began = time.perf_counter()
-    load_tokens(load_config(str(args.config), session.overrides), Context())  # the BPE cache, before any run
-    print(f"data ready in {time.perf_counter() - began:.1f} s", file=sys.stderr)
+    corpus, _ = load_tokens(load_config(str(args.config), session.overrides), Context())  # the BPE cache first
+    session.train_tokens = len(corpus.train)
+    print(f"data ready in {time.perf_counter() - began:.1f} s: {len(corpus.train):,} training and "
+          f"{len(corpus.val):,} validation tokens", file=sys.stderr)
     left = []
     if not args.compare_only:
         left += execute(session, pending_sweep(session), args.sweep_seconds, sweep_run)

@@ -82,6 +82,8 @@ def test_the_pipeline_sweeps_compares_summarises_and_resumes(tmp_path, monkeypat
     sections = out.strip().split("\n\n")
     assert sections[0].startswith("Sweep (equal_time_sweep.csv: 0.5 s of training per run, seed 0)")
     assert any(s.startswith("Time to target") for s in sections)
+    seen = max(r["tokens"] for r in rows)
+    assert f"the most tokens a run saw: {seen:,} ({seen / 180_000:.2f} epochs)" in out  # 90% of 200,000 bytes
     assert all(f"to {t:.3f}" in out for t in targets)
     assert sections[-1].startswith("With equal 1 s training budgets on the CPU (context 64, 128 tokens per step; "
                                    "seed 1), validation loss ")
