@@ -23,23 +23,17 @@ import cProfile
 import pstats
 import statistics
 import time
-from unittest import mock
 
 import torch
-import torch.nn.functional as F
 
 import flashbob
 from benchmarks.results import write_rows
 from benchmarks.timing import median_ms
+from recipes.common.transformer import attention_function
 from recipes.lm import model as lm_model
 
-
-def sdpa_attention(q, k, v, *, causal=False, scale=None, backend="auto", key_mask=None):
-    """torch SDPA with flashbob.attention's signature (``backend`` ignored, no key mask)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-
-
-IMPLS = {"flashbob": flashbob.attention, "sdpa": sdpa_attention}
+#: Implementation name: the recipes' ``model.attention`` setting that runs it.
+IMPLS = {"flashbob": "auto", "sdpa": "sdpa"}
 
 
 def wall_us(fn, reps: int) -> float:
@@ -58,7 +52,8 @@ def call_rows(reps: int) -> list[dict]:
     q, k, v = (torch.randn(1, 8, 128, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     do = torch.randn_like(q)
     rows = []
-    for impl, attend in IMPLS.items():
+    for impl, setting in IMPLS.items():
+        attend = attention_function(setting)
         work = {"fwd": lambda attend=attend: attend(q, k, v, causal=True),
                 "fwd_bwd": lambda attend=attend: torch.autograd.grad(attend(q, k, v, causal=True), (q, k, v), do)}
         for name, fn in work.items():
@@ -85,23 +80,23 @@ def print_profile(calls: int) -> None:
 
 
 def gpt_rows(contexts, warmup: int, reps: int) -> list[dict]:
-    torch.manual_seed(0)
-    model = lm_model.GPT(vocab_size=256, d_model=512, n_layers=4, n_heads=8).cuda()
-    params = list(model.parameters())
+    models = {}
+    for impl, setting in IMPLS.items():  # the same weights: the same seed before each
+        torch.manual_seed(0)
+        models[impl] = lm_model.GPT(vocab_size=256, d_model=512, n_layers=4, n_heads=8, attention=setting).cuda()
     rows = []
     for context in contexts:
         tokens = torch.randint(0, 256, (1, context + 1), device="cuda")
         times = {}
-        for impl, attend in IMPLS.items():
-            def grad(tokens=tokens):
+        for impl, model in models.items():
+            def grad(model=model, tokens=tokens):
                 with torch.autocast("cuda", dtype=torch.bfloat16):
                     logits = model(tokens[:, :-1])
-                return torch.autograd.grad(lm_model.cross_entropy(logits, tokens[:, 1:]), params)
+                return torch.autograd.grad(lm_model.cross_entropy(logits, tokens[:, 1:]), list(model.parameters()))
 
-            with mock.patch.object(flashbob, "attention", attend):
-                for _ in range(warmup):
-                    grad()
-                times[impl] = median_ms(grad, reps)
+            for _ in range(warmup):
+                grad()
+            times[impl] = median_ms(grad, reps)
         for impl, ms in times.items():
             rows.append({"part": "gpt", "impl": impl, "workload": "grad", "context": context, "ms": round(ms, 3),
                          "ratio": round(ms / times["sdpa"], 3)})

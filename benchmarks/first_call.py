@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from benchmarks.environment import ROOT, child_environment
@@ -50,6 +50,7 @@ def child(length: int, head_dim: int, heads: int, causal: bool, dtype: str, reps
     import torch
 
     import flashbob
+    from benchmarks.timing import wall_median_ms
     from flashbob.kernels import configs
 
     import_s = time.perf_counter() - start
@@ -68,16 +69,10 @@ def child(length: int, head_dim: int, heads: int, causal: bool, dtype: str, reps
     first = time.perf_counter()
     hvp_attention()
     first_call_s = time.perf_counter() - first
-    times = []
-    for _ in range(reps):
-        begin = time.perf_counter()
-        hvp_attention()
-        times.append((time.perf_counter() - begin) * 1e3)
-    sources = {}
-    for row in configs.tuned_configs():
-        sources[row["source"]] = sources.get(row["source"], 0) + 1
+    steady_ms = wall_median_ms(hvp_attention, reps) if reps else None  # hvp_attention synchronises
+    sources = Counter(row["source"] for row in configs.tuned_configs())
     return {"import_s": round(import_s, 2), "first_call_s": round(first_call_s, 2),
-            "steady_ms": round(statistics.median(times), 2) if times else None,
+            "steady_ms": round(steady_ms, 2) if steady_ms is not None else None,
             "sources": " ".join(f"{source}:{count}" for source, count in sorted(sources.items()))}
 
 
