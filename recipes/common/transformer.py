@@ -110,6 +110,22 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
 
 
+def constant(value: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor | float:
+    """``value``, a constant of a computation on ``like``: as it is, or, when ``like`` carries a forward-mode
+    tangent, as a dual tensor (of ``like``'s dtype and device if ``value`` is a number) with a zero tangent.
+
+    The numbers are the same either way. It only spares host time: PyTorch's forward AD gives an operand without
+    a tangent an implicit zero tangent (a ZeroTensor), and each operation on one runs a Python meta function
+    (torch 2.13, CPU: 0.2-0.6 ms per multiplication or addition, against 0.01 ms with a real zero tangent). In
+    the GPT's RoPE and RMSNorm that was 82 operations per forward pass with tangents.
+    """
+    if fwAD.unpack_dual(like).tangent is None:
+        return value
+    if not isinstance(value, torch.Tensor):
+        value = torch.full((), value, dtype=like.dtype, device=like.device)
+    return fwAD.make_dual(value, torch.zeros_like(value))
+
+
 class RMSNorm(nn.Module):
     r""":math:`y = x / \sqrt{\mathrm{mean}(x^2) + \epsilon} \cdot w`, statistics in at least float32."""
 
@@ -120,7 +136,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.to(compute_dtype(x))
-        return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + constant(self.eps, xf))).to(x.dtype) * self.weight
 
 
 def rotate(x: torch.Tensor, base: float) -> torch.Tensor:
@@ -131,7 +147,7 @@ def rotate(x: torch.Tensor, base: float) -> torch.Tensor:
     dtype = compute_dtype(x)
     inv_freq = base ** (-torch.arange(0, d, 2, device=x.device, dtype=dtype) / d)
     angles = torch.outer(torch.arange(n, device=x.device, dtype=dtype), inv_freq)
-    cos, sin = angles.cos(), angles.sin()
+    cos, sin = constant(angles.cos(), x), constant(angles.sin(), x)
     x1, x2 = x.to(dtype).chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
