@@ -250,6 +250,99 @@ def test_rectangular_tiles(gen, block_m, block_n, causal):
     assert_matches_reference(outputs, inputs, COTANGENTS, causal=causal, scale=0.2, tolerance=TOLERANCE[EXACT])
 
 
+def first_order(inputs, *, causal, scale, key_mask=None):
+    """Forward and backward outputs (o, lse, dq, dk, dv, delta) of the kernels."""
+    q, k, v, do = (inputs[name] for name in ("q", "k", "v", "do"))
+    o, stats = kernels.forward(q, k, v, causal=causal, scale=scale, key_mask=key_mask)
+    dq, dk, dv, delta = kernels.backward(q, k, v, o, stats, do, causal=causal, scale=scale, key_mask=key_mask)
+    return dict(zip(FORWARD + BACKWARD, (o, kernels.logsumexp(stats), dq, dk, dv, delta)))
+
+
+def first_order_reference(inputs, *, causal, scale, key_mask=None):
+    """The same six outputs from the float64 oracle."""
+    q, k, v, do = (inputs[name].double() for name in ("q", "k", "v", "do"))
+    flags = dict(causal=causal, scale=scale, key_mask=key_mask)
+    o = reference.attention(q, k, v, **flags)
+    dq, dk, dv = reference.attention_backward(q, k, v, do, **flags)
+    return dict(zip(FORWARD + BACKWARD, (o, reference.log_sum_exp(q, k, **flags), dq, dk, dv, (do * o).sum(-1))))
+
+
+def tma_runs(inputs) -> bool:
+    """Whether the "tma" variant runs (rather than falls back) for these inputs, in all three kernels."""
+    q, k, v, do = (inputs[name] for name in ("q", "k", "v", "do"))
+    config = configs.BlockConfig(16, 16, 4, 1, "tma")
+    return all(configs.variant_for(kernel, config, (q, k, v, do)) == "tma" for kernel in ("forward", "dq", "dkdv"))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape,tiles", [((1, 2, 2, 17, 33, 16), (16, 16)), ((2, 4, 2, 45, 17, 40), (16, 32)),
+                                         ((1, 2, 1, 40, 40, 32), (32, 16))],
+                         ids=["N17M33", "gqa-N45M17-d40", "N40-rect"])
+def test_tma_variant_matches_reference(gen, shape, tiles, causal):
+    """The opt-in "tma" variant of forward, dQ and dK/dV (tiles through tensor descriptors, whole key blocks
+    unmasked) against the float64 oracle: odd N != M, GQA, padded head_dim, rectangular tiles. The
+    interpreter emulates tensor descriptors, so the variant itself runs here, not its fallback."""
+    inputs = make_inputs(gen, shape, EXACT)
+    assert tma_runs(inputs), "the variant would fall back: this test would not test it"
+    scale = shape[-1] ** -0.5
+    with configs.override(block_m=tiles[0], block_n=tiles[1], variant="tma"):
+        outputs = first_order(inputs, causal=causal, scale=scale)
+    refs = first_order_reference(inputs, causal=causal, scale=scale)
+    assert {"o", "dq", "dk", "dv"} <= set(assert_terms_match(outputs, refs, TOLERANCE[EXACT]))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_tma_variant_with_key_mask(gen, causal):
+    """The variant's unmasked whole key blocks still apply the key-padding mask (batch element 1 masks its
+    first five keys, so that with the causal mask its first rows see no key and get zeros)."""
+    shape = (2, 2, 1, 37, 37, 16)
+    inputs = make_inputs(gen, shape, EXACT)
+    key_mask = torch.rand(2, 37, generator=gen) > 0.4
+    key_mask[1, :5] = False
+    key_mask = key_mask.to(DEVICE)
+    with configs.override(block_m=16, block_n=16, variant="tma"):
+        outputs = first_order(inputs, causal=causal, scale=0.25, key_mask=key_mask)
+    refs = first_order_reference(inputs, causal=causal, scale=0.25, key_mask=key_mask)
+    for name in ("o", "dq", "dk", "dv"):
+        assert relative_error(outputs[name], refs[name]) < TOLERANCE[EXACT], name
+
+
+def test_tma_variant_falls_back_to_the_base_code(gen, monkeypatch):
+    """Where tensor descriptors cannot address the operands (rows not a multiple of 16 bytes apart, a start
+    that is not 16-byte aligned, a CPU tensor outside the interpreter) or the kernel has no such variant, the
+    launch runs the base code with the same tiles, and the outputs are still right."""
+    config = configs.BlockConfig(16, 16, 4, 1, "tma")
+    inputs = make_inputs(gen, (1, 2, 1, 19, 23, 20), torch.float16)  # 20 halves = 40 bytes a row
+    operands = tuple(inputs[name] for name in ("q", "k", "v", "do"))
+    assert configs.variant_for("forward", config, operands) == "base"
+    aligned = make_inputs(gen, (1, 2, 1, 19, 23, 16), EXACT)
+    operands = tuple(aligned[name] for name in ("q", "k", "v", "do"))
+    shifted = torch.empty(aligned["q"].numel() + 1, dtype=EXACT, device=DEVICE)[1:].view_as(aligned["q"])
+    assert configs.variant_for("dq", config, operands) == "tma"
+    assert configs.variant_for("dq", config, (shifted, *operands[1:])) == "base"
+    assert configs.variant_for("bob_cols", config, operands) == "base"
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        assert configs.variant_for("forward", config, operands) == "base"
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    padded = make_inputs(gen, (1, 2, 1, 19, 23, 21), EXACT)  # rows 21 floats apart: not a multiple of 16 bytes
+    inputs = {name: x[..., :20] for name, x in padded.items()}
+    assert not tma_runs(inputs)
+    with configs.override(block_m=16, block_n=16, variant="tma"):
+        outputs = first_order(inputs, causal=True, scale=0.3)
+    assert_terms_match(outputs, first_order_reference(inputs, causal=True, scale=0.3), TOLERANCE[EXACT])
+
+
+def test_variants_are_opt_in():
+    """No variant is a default or a tuning candidate; an unknown variant name is an error."""
+    for kernel in configs.KERNELS:
+        assert all(c.variant == "base" for c in configs.candidates(kernel, 64, torch.bfloat16, 4096)), kernel
+    assert configs.VARIANTS["forward"] == ("base", "tma")
+    with pytest.raises(ValueError, match="unknown variant 'tmaa'"):
+        with configs.override(variant="tmaa"):
+            pass
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("head_dim", [16, 40, 64, 128, 256])
 def test_autotune_spaces_are_pruned_not_empty(dtype, head_dim):

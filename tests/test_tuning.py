@@ -2,6 +2,7 @@
 tuning cache on disk, the shipped tables and their nearest-bucket rule, and the tuner, with a fake clock (the
 interpreter cannot time kernels) and the real candidates of configs.SPACES."""
 
+import dataclasses
 import itertools
 import json
 import subprocess
@@ -86,7 +87,7 @@ def test_cache_folder_follows_the_environment(monkeypatch, tmp_path):
 
 def test_cache_round_trip(folders):
     key = key_at(4096)
-    config = tuple(vars(space_of(key)[2]).values())
+    config = configs.config_tuple(space_of(key)[2])
     assert tuning.read_cache(GPU, key) is None
     tuning.write_cache(GPU, key, config, {config: 1.5})
     assert tuning.read_cache(GPU, key) == config
@@ -111,7 +112,7 @@ def test_unreadable_cache_file_is_ignored_with_a_warning_and_rewritten(folders, 
     assert chosen == configs.Pick(space[1], "tuned")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert tuning.read_cache(GPU, key) == tuple(vars(space[1]).values())
+        assert tuning.read_cache(GPU, key) == configs.config_tuple(space[1])
 
 
 def test_unwritable_cache_warns_and_keeps_the_pick(folders, monkeypatch):
@@ -143,7 +144,7 @@ def test_concurrent_writers_leave_a_valid_file(folders):
     """Two processes write the same key 500 times each while this one reads it: every read finds a whole
     file holding one of the two configurations, and no temporary file is left behind."""
     key = key_at(4096)
-    configs_written = [tuple(vars(c).values()) for c in space_of(key)[:2]]
+    configs_written = [configs.config_tuple(c) for c in space_of(key)[:2]]
     procs = [subprocess.Popen([sys.executable, "-c", WRITER, GPU, json.dumps(FLAGS), json.dumps(c)], cwd=ROOT)
              for c in configs_written]
     reads = []
@@ -159,7 +160,7 @@ def test_concurrent_writers_leave_a_valid_file(folders):
 
 def write_table(folder, entries):
     """A shipped table for GPU holding ``entries`` (key -> BlockConfig)."""
-    entries = {key: tuple(vars(config).values()) for key, config in entries.items()}
+    entries = {key: configs.config_tuple(config) for key, config in entries.items()}
     tuning.write_table(tuning.table_path(GPU), GPU, entries, triton="test")
 
 
@@ -169,7 +170,7 @@ def test_table_lookup_takes_the_exact_then_the_nearest_bucket(folders):
                           key_at(16384, CAUSAL=False): space[3]})
     table = tuning.load_table(tuning.table_path(GPU))
     assert len(table) == 4
-    allowed = [tuple(vars(c).values()) for c in space]
+    allowed = [configs.config_tuple(c) for c in space]
     as_config = lambda length, **flags: tuning.lookup(table, key_at(length, **flags), allowed)
     assert as_config(4096) == allowed[1]  # exact
     assert as_config(3000) == allowed[1]  # same bucket
@@ -211,7 +212,7 @@ def test_pick_order_cache_table_tune_default(folders):
         # neither table nor cache: every candidate is timed once, the fastest is stored in the cache
         assert configs.pick(key, space, GPU, "on", clock.run) == configs.Pick(space[3], "tuned")
         assert sorted(clock.timed, key=space.index) == list(space)
-        assert tuning.read_cache(GPU, key) == tuple(vars(space[3]).values())
+        assert tuning.read_cache(GPU, key) == configs.config_tuple(space[3])
         clock.timed.clear()
         assert configs.pick(key, space, GPU, "on", clock.run) == configs.Pick(space[3], "cache")
         assert configs.pick(key, space, GPU, "off", clock.run) == configs.Pick(space[3], "cache")
@@ -226,7 +227,25 @@ def test_pick_order_cache_table_tune_default(folders):
         # force tunes again, whatever the cache and the table hold
         clock.times[space[3]], clock.times[space[5]] = 9.0, 0.1
         assert configs.pick(key, space, GPU, "force", clock.run) == configs.Pick(space[5], "tuned")
-        assert tuning.read_cache(GPU, key) == tuple(vars(space[5]).values())
+        assert tuning.read_cache(GPU, key) == configs.config_tuple(space[5])
+
+
+def test_table_may_name_an_opt_in_variant_that_tuning_never_times(folders):
+    """A table entry [block_m, block_n, num_warps, num_stages, "tma"] selects the variant for its key; a variant
+    of a config that is no candidate, or one the kernel lacks, is ignored; tuning times base candidates only."""
+    flags = {"CAUSAL": False, "HAS_KEY_MASK": False, "PRECISION": "ieee"}
+    key = configs.tuning_key("forward", 128, torch.bfloat16, 4096, {"HEAD_DIM": 128, "BLOCK_D": 128, **flags})
+    space = space_of(key)
+    tma = dataclasses.replace(space[1], variant="tma")
+    write_table(folders, {key: tma})
+    assert json.loads(tuning.table_path(GPU).read_text())["entries"][0]["config"][-1] == "tma"
+    assert configs.pick(key, space, GPU, "off", lambda config: None) == configs.Pick(tma, "table")
+    write_table(folders, {key: dataclasses.replace(space[1], variant="fast")})
+    assert configs.pick(key, space, GPU, "off", lambda config: None) == configs.Pick(space[0], "default")
+    clock = FakeClock(space, fastest=2)
+    with tuning.timed_by(clock):
+        assert configs.pick(key, space, GPU, "force", clock.run) == configs.Pick(space[2], "tuned")
+    assert sorted(clock.timed, key=space.index) == list(space)
 
 
 def test_single_candidate_is_not_timed(folders):

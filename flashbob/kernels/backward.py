@@ -30,18 +30,19 @@ def _delta_kernel(
 
 @triton.jit
 def _dkdv_inner(
-    dk, dv, k, v, q_base, do_base, stats_base, delta_base, stride_qn, stride_don, keys, start, end, N, qk_scale,
+    dk, dv, k, v, q_src, do_src, stats_base, delta_base, stride_qn, stride_don, keys, start, end, N, qk_scale,
     key_mask_base, M,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASK_CAUSAL: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r"""Add query rows ``[start, end)`` of one query head to a key block's
     :math:`dV_j = \sum_i P_{ij}\, dO_i` and :math:`dK_j / \tau = \sum_i dS_{ij}\, Q_i`, with
-    :math:`dS = P \circ (dO V^\top - \Delta)`; tiles are kept transposed (keys by queries)."""
+    :math:`dS = P \circ (dO V^\top - \Delta)`; tiles are kept transposed (keys by queries). ``q_src``,
+    ``do_src``: :func:`~flashbob.kernels.common.tile_source`."""
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
-        q = common.load_tile(q_base, rows, N, stride_qn, HEAD_DIM, BLOCK_D)
-        do = common.load_tile(do_base, rows, N, stride_don, HEAD_DIM, BLOCK_D)
+        q = common.load_block(q_src, start_m, rows, N, stride_qn, HEAD_DIM, BLOCK_D, TMA)
+        do = common.load_block(do_src, start_m, rows, N, stride_don, HEAD_DIM, BLOCK_D, TMA)
         row_max, log_sum = common.load_softmax_stats(stats_base, rows, N)
         delta = common.load_rows(delta_base, rows, N)
         p_t = common.probabilities_transposed(k, q, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
@@ -61,56 +62,67 @@ def _dkdv_kernel(
     stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     STATS, DELTA, KEY_MASK, heads, kv_heads, group, N, M, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r""":math:`dK = \tau\, dS^\top Q` and :math:`dV = P^\top dO` of one key block of one kv head,
     summed over the ``group`` query heads that share it (no atomics).
 
     Causal: queries before the block see none of it and are skipped; the queries in
     ``[start_n, start_n + BLOCK_N)`` (rounded up to whole query blocks) are masked; later ones see it all.
+    ``TMA`` (the ``"tma"`` variant): tiles through tensor descriptors.
     """
     start_n, keys, batch, kv_head, key_mask_base = common.key_block(kv_heads, KEY_MASK, M, BLOCK_N)
     acc_dtype = DELTA.dtype.element_ty
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
-    k = common.load_tile(common.head_pointer(K, batch, kv_head, stride_kb, stride_kh), keys, M, stride_kn, HEAD_DIM,
-                         BLOCK_D)
-    v = common.load_tile(common.head_pointer(V, batch, kv_head, stride_vb, stride_vh), keys, M, stride_vn, HEAD_DIM,
-                         BLOCK_D)
+    k_src = common.tile_source(common.head_pointer(K, batch, kv_head, stride_kb, stride_kh), M, stride_kn, HEAD_DIM,
+                               BLOCK_N, BLOCK_D, TMA)
+    v_src = common.tile_source(common.head_pointer(V, batch, kv_head, stride_vb, stride_vh), M, stride_vn, HEAD_DIM,
+                               BLOCK_N, BLOCK_D, TMA)
+    k = common.load_block(k_src, start_n, keys, M, stride_kn, HEAD_DIM, BLOCK_D, TMA)
+    v = common.load_block(v_src, start_n, keys, M, stride_vn, HEAD_DIM, BLOCK_D, TMA)
 
     masked_end = common.column_block_masked_end(start_n, N, BLOCK_M, BLOCK_N, CAUSAL)
     for member in range(group):
         _, _, q_base, do_base, stats_base, delta_base = common.group_query_head(
             Q, DO, STATS, DELTA, batch, heads, kv_head, group, member, N, stride_qb, stride_qh, stride_dob, stride_doh)
+        q_src = common.tile_source(q_base, N, stride_qn, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+        do_src = common.tile_source(do_base, N, stride_don, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
         if CAUSAL:
             dk, dv = _dkdv_inner(
-                dk, dv, k, v, q_base, do_base, stats_base, delta_base, stride_qn, stride_don, keys, start_n,
+                dk, dv, k, v, q_src, do_src, stats_base, delta_base, stride_qn, stride_don, keys, start_n,
                 masked_end, N, qk_scale, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION, HAS_KEY_MASK,
+                TMA,
             )
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_base, do_base, stats_base, delta_base, stride_qn, stride_don, keys, masked_end, N, N,
-            qk_scale, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, False, PRECISION, HAS_KEY_MASK,
+            dk, dv, k, v, q_src, do_src, stats_base, delta_base, stride_qn, stride_don, keys, masked_end, N, N,
+            qk_scale, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, False, PRECISION, HAS_KEY_MASK, TMA,
         )
 
-    dk_base = common.head_pointer(DK, batch, kv_head, stride_dkb, stride_dkh)
-    common.store_tile(dk_base, dk * scale, keys, M, stride_dkn, HEAD_DIM, BLOCK_D)
-    dv_base = common.head_pointer(DV, batch, kv_head, stride_dvb, stride_dvh)
-    common.store_tile(dv_base, dv, keys, M, stride_dvn, HEAD_DIM, BLOCK_D)
+    dk_src = common.tile_source(common.head_pointer(DK, batch, kv_head, stride_dkb, stride_dkh), M, stride_dkn,
+                                HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    common.store_block(dk_src, dk * scale, start_n, keys, M, stride_dkn, HEAD_DIM, BLOCK_D, TMA)
+    dv_src = common.tile_source(common.head_pointer(DV, batch, kv_head, stride_dvb, stride_dvh), M, stride_dvn,
+                                HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    common.store_block(dv_src, dv, start_n, keys, M, stride_dvn, HEAD_DIM, BLOCK_D, TMA)
 
 
 @triton.jit
 def _dq_inner(
-    dq, q, do, row_max, log_sum, delta, k_base, v_base, stride_kn, stride_vn, rows, start, end, M, qk_scale,
+    dq, q, do, row_max, log_sum, delta, k_src, v_src, stride_kn, stride_vn, rows, start, end, M, qk_scale,
     key_mask_base, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr, WHOLE_BLOCK: tl.constexpr,
 ):
-    r"""Add key blocks ``[start, end)`` to a query block's :math:`dQ_i / \tau = \sum_j dS_{ij} K_j`."""
+    r"""Add key blocks ``[start, end)`` to a query block's :math:`dQ_i / \tau = \sum_j dS_{ij} K_j`
+    (``k_src``, ``v_src``: :func:`~flashbob.kernels.common.tile_source`; ``WHOLE_BLOCK``:
+    :func:`~flashbob.kernels.common.mask_scores`)."""
     for start_n in range(start, end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
-        k = common.load_tile(k_base, keys, M, stride_kn, HEAD_DIM, BLOCK_D)
-        v = common.load_tile(v_base, keys, M, stride_vn, HEAD_DIM, BLOCK_D)
+        k = common.load_block(k_src, start_n, keys, M, stride_kn, HEAD_DIM, BLOCK_D, TMA)
+        v = common.load_block(v_src, start_n, keys, M, stride_vn, HEAD_DIM, BLOCK_D, TMA)
         p = common.probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
-                                 MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
+                                 MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK,
+                                 WHOLE_BLOCK=WHOLE_BLOCK)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
@@ -125,33 +137,43 @@ def _dq_kernel(
     stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
     STATS, DELTA, KEY_MASK, heads, group, N, M, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
-    r""":math:`dQ = \tau\, dS K` of one query block, key blocks split as in the forward."""
+    r""":math:`dQ = \tau\, dS K` of one query block, key blocks split as in the forward (and ``TMA`` as there)."""
     start_m, rows, batch_head, batch, head, kv_head, key_mask_base = common.query_block(heads, group, KEY_MASK, M, BLOCK_M)
-    k_base = common.head_pointer(K, batch, kv_head, stride_kb, stride_kh)
-    v_base = common.head_pointer(V, batch, kv_head, stride_vb, stride_vh)
-
-    q = common.load_tile(common.head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM,
-                         BLOCK_D)
-    do = common.load_tile(common.head_pointer(DO, batch, head, stride_dob, stride_doh), rows, N, stride_don, HEAD_DIM,
-                          BLOCK_D)
+    k_src = common.tile_source(common.head_pointer(K, batch, kv_head, stride_kb, stride_kh), M, stride_kn, HEAD_DIM,
+                               BLOCK_N, BLOCK_D, TMA)
+    v_src = common.tile_source(common.head_pointer(V, batch, kv_head, stride_vb, stride_vh), M, stride_vn, HEAD_DIM,
+                               BLOCK_N, BLOCK_D, TMA)
+    q_src = common.tile_source(common.head_pointer(Q, batch, head, stride_qb, stride_qh), N, stride_qn, HEAD_DIM,
+                               BLOCK_M, BLOCK_D, TMA)
+    do_src = common.tile_source(common.head_pointer(DO, batch, head, stride_dob, stride_doh), N, stride_don, HEAD_DIM,
+                                BLOCK_M, BLOCK_D, TMA)
+    q = common.load_block(q_src, start_m, rows, N, stride_qn, HEAD_DIM, BLOCK_D, TMA)
+    do = common.load_block(do_src, start_m, rows, N, stride_don, HEAD_DIM, BLOCK_D, TMA)
     row_max, log_sum = common.load_softmax_stats(common.softmax_stats_pointer(STATS, batch_head, N), rows, N)
     delta = common.load_rows(common.row_vector_pointer(DELTA, batch_head, N), rows, N)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=DELTA.dtype.element_ty)
 
     unmasked_end, end = common.row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
+    whole_end = common.whole_block_end(unmasked_end, BLOCK_N, TMA)
+    if TMA:
+        dq = _dq_inner(
+            dq, q, do, row_max, log_sum, delta, k_src, v_src, stride_kn, stride_vn, rows, 0, whole_end, M, qk_scale,
+            key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION, HAS_KEY_MASK, TMA, True,
+        )
     dq = _dq_inner(
-        dq, q, do, row_max, log_sum, delta, k_base, v_base, stride_kn, stride_vn, rows, 0, unmasked_end, M, qk_scale,
-        key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION, HAS_KEY_MASK,
+        dq, q, do, row_max, log_sum, delta, k_src, v_src, stride_kn, stride_vn, rows, whole_end, unmasked_end, M,
+        qk_scale, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION, HAS_KEY_MASK, TMA, False,
     )
     if CAUSAL:
         dq = _dq_inner(
-            dq, q, do, row_max, log_sum, delta, k_base, v_base, stride_kn, stride_vn, rows, unmasked_end, end, M,
-            qk_scale, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, HAS_KEY_MASK,
+            dq, q, do, row_max, log_sum, delta, k_src, v_src, stride_kn, stride_vn, rows, unmasked_end, end, M,
+            qk_scale, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, HAS_KEY_MASK, TMA, False,
         )
-    dq_base = common.head_pointer(DQ, batch, head, stride_dqb, stride_dqh)
-    common.store_tile(dq_base, dq * scale, rows, N, stride_dqn, HEAD_DIM, BLOCK_D)
+    dq_src = common.tile_source(common.head_pointer(DQ, batch, head, stride_dqb, stride_dqh), N, stride_dqn, HEAD_DIM,
+                                BLOCK_M, BLOCK_D, TMA)
+    common.store_block(dq_src, dq * scale, start_m, rows, N, stride_dqn, HEAD_DIM, BLOCK_D, TMA)
 
 
 def backward(
@@ -191,10 +213,12 @@ def backward(
     )
     configs.launch(
         "dkdv", _dkdv_kernel, common.column_grid(m, batch * kv_heads), *common.with_strides(q, k, v, do, dk, dv), stats,
-        delta, key_mask, heads, kv_heads, *scalars, head_dim=head_dim, dtype=q.dtype, length=m, **constants,
+        delta, key_mask, heads, kv_heads, *scalars, head_dim=head_dim, dtype=q.dtype, length=m,
+        descriptors=(q, k, v, do, dk, dv), **constants,
     )
     configs.launch(
         "dq", _dq_kernel, common.row_grid(n, batch * heads), *common.with_strides(q, k, v, do, dq), stats, delta,
-        key_mask, heads, *scalars, head_dim=head_dim, dtype=q.dtype, length=n, **constants,
+        key_mask, heads, *scalars, head_dim=head_dim, dtype=q.dtype, length=n, descriptors=(q, k, v, do, dq),
+        **constants,
     )
     return dq, dk, dv, delta

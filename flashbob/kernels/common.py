@@ -96,6 +96,44 @@ def store_tile(X, tile, rows, n_rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def tile_source(X, n_rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                TMA: tl.constexpr):
+    """What the ``(BLOCK_ROWS, BLOCK_D)`` tiles of the ``(n_rows, HEAD_DIM)`` matrix at ``X`` (unit column
+    stride) are read and written through: with ``TMA`` a tensor descriptor (TMA on Hopper: loads are zero
+    outside the matrix and stores clipped to it, as :func:`load_tile` and :func:`store_tile` mask them), else
+    ``X`` itself. The host checks that descriptors can address the matrix
+    (:func:`~flashbob.kernels.configs.descriptors_usable`)."""
+    if TMA:
+        source = tl.make_tensor_descriptor(X, shape=[n_rows, HEAD_DIM], strides=[stride_row, 1],
+                                           block_shape=[BLOCK_ROWS, BLOCK_D])
+    else:
+        source = X
+    return source
+
+
+@triton.jit
+def load_block(source, start, rows, n_rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               TMA: tl.constexpr):
+    """Rows ``rows = start + arange`` of a matrix through its :func:`tile_source`, as :func:`load_tile` reads them."""
+    if TMA:
+        tile = source.load([start, 0])
+    else:
+        tile = load_tile(source, rows, n_rows, stride_row, HEAD_DIM, BLOCK_D)
+    return tile
+
+
+@triton.jit
+def store_block(source, tile, start, rows, n_rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                TMA: tl.constexpr):
+    """Store ``tile`` into rows ``rows = start + arange`` of a matrix through its :func:`tile_source`, converted
+    to its dtype, as :func:`store_tile` does."""
+    if TMA:
+        source.store([start, 0], tile.to(source.dtype))
+    else:
+        store_tile(source, tile, rows, n_rows, stride_row, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
 def row_vector_pointer(X, batch_head, n_rows):
     """Pointer to the row statistics (delta, A, C) of one (batch, head) in a contiguous
     ``(batch, heads, n_rows)`` tensor; ``batch_head = batch * heads + head``."""
@@ -152,6 +190,18 @@ def row_block_key_ranges(start_m, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexp
 
 
 @triton.jit
+def whole_block_end(unmasked_end, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+    """End of the whole key blocks in ``[0, unmasked_end)`` (:func:`row_block_key_ranges`), which need no mask
+    but the key-padding one; the ``"tma"`` variant runs them apart from the rest. 0 otherwise: the base code
+    masks every block."""
+    if TMA:
+        end = unmasked_end // BLOCK_N * BLOCK_N
+    else:
+        end = 0
+    return end
+
+
+@triton.jit
 def column_block_masked_end(start_n, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     """End of the query rows that a column kernel's key block ``[start_n, start_n + BLOCK_N)`` sees
     through the causal mask: queries before ``start_n`` see none of it and are skipped, queries in
@@ -183,15 +233,29 @@ def visible_keys(rows, keys, M, key_mask_base, MASK_CAUSAL: tl.constexpr, HAS_KE
 
 
 @triton.jit
+def mask_scores(scores, rows, keys, M, key_mask_base, MASK_CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+                WHOLE_BLOCK: tl.constexpr = False):
+    r"""``scores`` (queries by keys) with :math:`-\infty` where :func:`visible_keys` is False. ``WHOLE_BLOCK``:
+    the caller knows that every key is ``< M`` and left of the diagonal (a whole key block of a loop that
+    needs no causal mask), so that only the key-padding mask, if any, is applied."""
+    if WHOLE_BLOCK:
+        if HAS_KEY_MASK:
+            scores = tl.where(kept_keys(key_mask_base, keys, M)[None, :], scores, float("-inf"))
+    else:
+        visible = visible_keys(rows, keys, M, key_mask_base, MASK_CAUSAL=MASK_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK)
+        scores = tl.where(visible, scores, float("-inf"))
+    return scores
+
+
+@triton.jit
 def probabilities(
     q, k, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
-    MASK_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    MASK_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, WHOLE_BLOCK: tl.constexpr = False,
 ):
     r"""Tile :math:`P_{ij} = 2^{(s_{ij} - m_i) - \log_2 \ell_i}` of a row kernel (:func:`load_softmax_stats`),
-    zero for invisible keys; ``qk_scale`` is :math:`\tau \log_2 e`."""
+    zero for invisible keys (:func:`mask_scores`); ``qk_scale`` is :math:`\tau \log_2 e`."""
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    visible = visible_keys(rows, keys, M, key_mask_base, MASK_CAUSAL=MASK_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK)
-    scores = tl.where(visible, scores, float("-inf"))
+    scores = mask_scores(scores, rows, keys, M, key_mask_base, MASK_CAUSAL, HAS_KEY_MASK, WHOLE_BLOCK)
     return tl.exp2((scores - row_max[:, None]) - log_sum[:, None])
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 import triton
+from triton.runtime import _allocation
 from triton.runtime.errors import OutOfResources
 
 from . import tuning
@@ -40,27 +41,34 @@ class BlockConfig:
     """Launch parameters of one kernel.
 
     ``block_m`` is the number of query rows and ``block_n`` the number of key rows of a tile (the
-    outer block of row kernels is ``block_m``, of column kernels ``block_n``).
+    outer block of row kernels is ``block_m``, of column kernels ``block_n``). ``variant`` names the code
+    path: ``"base"``, or one of the opt-in variants that ``spaces.json`` lists for the kernel (``"tma"``:
+    tiles read and written through tensor descriptors, TMA on Hopper; :func:`variant_for`).
     """
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    variant: str = "base"
 
 
-def _load_spaces() -> tuple[dict[str, tuple[BlockConfig, ...]], dict[str, tuple[int, int, int, int]]]:
-    """The candidates and footprint of every kernel from ``spaces.json`` beside this module."""
+def _load_spaces() -> tuple[dict[str, tuple[BlockConfig, ...]], dict[str, tuple[int, int, int, int]],
+                             dict[str, tuple[str, ...]]]:
+    """The candidates, footprint and variants (``"base"`` first) of every kernel from ``spaces.json`` beside
+    this module."""
     table = json.loads((Path(__file__).with_name("spaces.json")).read_text())
     spaces = {kernel: tuple(BlockConfig(*c) for c in entry["candidates"]) for kernel, entry in table.items()}
-    return spaces, {kernel: tuple(entry["footprint"]) for kernel, entry in table.items()}
+    variants = {kernel: ("base", *entry.get("variants", ())) for kernel, entry in table.items()}
+    return spaces, {kernel: tuple(entry["footprint"]) for kernel, entry in table.items()}, variants
 
 
 # Candidates per kernel for 16-bit inputs, the first one that fits being the default (no tuning), and each
 # kernel's footprint: live tiles per program, as (accumulators over the outer block, 16-bit input tiles over
 # the outer block, score-shaped tiles block_m x block_n, tiles streamed per loop step over the inner block).
-# spaces.json says where the defaults come from.
-SPACES, _FOOTPRINT = _load_spaces()
+# spaces.json says where the defaults come from. A kernel's opt-in variants (VARIANTS, after "base") are never
+# defaults nor tuned: a table or cache entry, or override(variant=...), selects one.
+SPACES, _FOOTPRINT, VARIANTS = _load_spaces()
 KERNELS = tuple(SPACES)
 
 COLUMN_KERNELS = ("dkdv", "bob_cols", "jvp_cols")  # outer block of keys (block_n), inner of queries
@@ -111,10 +119,14 @@ def choose(kernel: str, head_dim: int, dtype: torch.dtype, length: int = 1 << 30
 @contextlib.contextmanager
 def override(**fields: int) -> Iterator[None]:
     """Force fields of every :class:`BlockConfig` inside the ``with`` block (tuning is off there),
-    e.g. ``override(block_m=16, block_n=16)`` so that small test inputs span several tiles."""
+    e.g. ``override(block_m=16, block_n=16)`` so that small test inputs span several tiles, or
+    ``override(variant="tma")`` (kernels without that variant run their base code)."""
     unknown = set(fields) - {f.name for f in dataclasses.fields(BlockConfig)}
     if unknown:
         raise ValueError(f"unknown BlockConfig fields {sorted(unknown)}")
+    known_variants = sorted({name for names in VARIANTS.values() for name in names})
+    if fields.get("variant", "base") not in known_variants:
+        raise ValueError(f"unknown variant {fields['variant']!r}; expected one of {known_variants}")
     previous = dict(_overrides)
     _overrides.update(fields)
     try:
@@ -161,12 +173,22 @@ def tuning_key(kernel: str, head_dim: int, dtype: torch.dtype, length: int, cons
     return tuning.Key(kernel, head_dim, str(dtype).removeprefix("torch."), tuning.bucket(length), flags)
 
 
+def config_tuple(config: BlockConfig) -> tuning.Config:
+    """``config`` as tables and caches hold it: ``(block_m, block_n, num_warps, num_stages)``, with the variant
+    appended unless it is ``"base"``."""
+    values = dataclasses.astuple(config)
+    return values[:4] if config.variant == "base" else values
+
+
 def pick(key: tuning.Key, space: tuple[BlockConfig, ...], gpu: str | None, mode: str,
          run: Callable[[BlockConfig], None]) -> Pick:
     """The configuration of a launch with ``key`` among the candidates ``space`` on ``gpu`` (None: not a GPU,
     only the default) in tuning ``mode`` (:func:`tuning_mode`), by the order of this module's docstring;
-    ``run(config)`` launches the kernel, for tuning."""
-    allowed = [dataclasses.astuple(config) for config in space]
+    ``run(config)`` launches the kernel, for tuning. A cache or table entry may also name a candidate in
+    one of the kernel's opt-in variants; tuning times the base candidates only."""
+    tuned = [config_tuple(config) for config in space]
+    allowed = tuned + [config_tuple(dataclasses.replace(config, variant=variant)) for config in space
+                       for variant in VARIANTS.get(key.kernel, ("base",))[1:]]
     if gpu is not None and mode in ("on", "off"):
         cached = tuning.read_cache(gpu, key)
         if cached in allowed:
@@ -175,30 +197,34 @@ def pick(key: tuning.Key, space: tuple[BlockConfig, ...], gpu: str | None, mode:
         if listed is not None:
             return Pick(BlockConfig(*listed), "table")
     if gpu is not None and mode in ("on", "force") and len(space) > 1:
-        best, timings = tuning.tune(key, allowed, lambda config: run(BlockConfig(*config)))
+        best, timings = tuning.tune(key, tuned, lambda config: run(BlockConfig(*config)))
         tuning.write_cache(gpu, key, best, timings)
         return Pick(BlockConfig(*best), "tuned")
     return Pick(space[0], "default")
 
 
-def launch(kernel: str, jit_fn, grid, *args, head_dim: int, dtype: torch.dtype, length: int, **constants) -> None:
+def launch(kernel: str, jit_fn, grid, *args, head_dim: int, dtype: torch.dtype, length: int,
+           descriptors: tuple[torch.Tensor, ...] = (), **constants) -> None:
     """Launch ``jit_fn`` (which takes ``BLOCK_M`` and ``BLOCK_N``) on ``grid`` with the configuration that
     :func:`pick` gives its key (once per process), or the next candidate if the compiler finds that it needs
     more shared memory or registers than the GPU has; inside :func:`override`, with :func:`choose`'s.
-    ``length`` is the sequence length that sizes the blocks (N for row kernels, M for column kernels)."""
+    ``length`` is the sequence length that sizes the blocks (N for row kernels, M for column kernels).
+    A kernel with opt-in variants also takes ``TMA``; ``descriptors`` are the operands that its ``"tma"``
+    variant addresses through tensor descriptors (:func:`variant_for`)."""
+    run = functools.partial(_run, kernel, jit_fn, grid, args, constants, descriptors=descriptors)
     if _overrides:
-        _run(jit_fn, grid, args, constants, choose(kernel, head_dim, dtype, length))
+        run(choose(kernel, head_dim, dtype, length))
         return
     key = tuning_key(kernel, head_dim, dtype, length, constants)
     space = candidates(kernel, head_dim, dtype, length)
     memo = (key, _gpu(args), tuning_mode())
     if memo not in _PICKS:
-        _PICKS[memo] = pick(key, space, *memo[1:], run=lambda config: _run(jit_fn, grid, args, constants, config))
+        _PICKS[memo] = pick(key, space, *memo[1:], run=run)
     chosen = _PICKS[memo]
     order = tuple(dict.fromkeys((chosen.config, *space)))
     for position, config in enumerate(order):
         try:
-            _run(jit_fn, grid, args, constants, config)
+            run(config)
         except OutOfResources:
             if position == len(order) - 1:
                 raise
@@ -208,9 +234,53 @@ def launch(kernel: str, jit_fn, grid, *args, head_dim: int, dtype: torch.dtype, 
         return
 
 
-def _run(jit_fn, grid, args: tuple, constants: dict, config: BlockConfig) -> None:
+def variant_for(kernel: str, config: BlockConfig, descriptors: tuple[torch.Tensor, ...]) -> str:
+    """The variant that a launch of ``kernel`` with ``config`` runs: ``config.variant`` if the kernel has it
+    and, for ``"tma"``, if :func:`descriptors_usable` holds for the ``descriptors`` operands; else ``"base"``
+    (the same outputs, the same tiles; :func:`override` may name a variant that other kernels lack)."""
+    if config.variant not in VARIANTS[kernel]:
+        return "base"
+    if config.variant == "tma" and not descriptors_usable(descriptors):
+        return "base"
+    return config.variant
+
+
+def descriptors_usable(tensors: tuple[torch.Tensor, ...]) -> bool:
+    """Whether tensor descriptors (TMA) can address every ``(B, H, rows, d)`` tensor of ``tensors``: on a GPU of
+    compute capability 9 or more (or in Triton's interpreter, which emulates them), with 16-byte aligned
+    starts, unit stride along d and 16-byte multiples for the other strides (what TMA requires)."""
+    if not tensors:
+        return False
+    device = tensors[0].device
+    if device.type == "cuda":
+        if torch.cuda.get_device_capability(device)[0] < 9:
+            return False
+    elif os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return False
+    return all(x.stride(-1) == 1 and x.data_ptr() % 16 == 0
+               and all(stride * x.element_size() % 16 == 0 for stride in x.stride()[:-1]) for x in tensors)
+
+
+def _run(kernel: str, jit_fn, grid, args: tuple, constants: dict, config: BlockConfig, *,
+         descriptors: tuple[torch.Tensor, ...] = ()) -> None:
+    variant = variant_for(kernel, config, descriptors)
+    if len(VARIANTS[kernel]) > 1:
+        constants = {**constants, "TMA": variant == "tma"}
+    if variant == "tma" and descriptors[0].device.type == "cuda":
+        _ensure_allocator()
     jit_fn[grid](*args, **constants, BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
                  num_stages=config.num_stages)
+
+
+def _ensure_allocator() -> None:
+    """Tensor descriptors made inside a kernel live in global scratch memory that Triton asks its allocator for;
+    if this thread has none (Triton's default raises), give it one that takes the memory from torch."""
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _gpu(args: tuple) -> str | None:

@@ -11,9 +11,9 @@ from . import common, configs
 
 @triton.jit
 def _forward_inner(
-    acc, row_max, row_sum, q, k_base, v_base, stride_kn, stride_vn, rows, start, end, M, qk_scale, key_mask_base,
+    acc, row_max, row_sum, q, k_src, v_src, stride_kn, stride_vn, rows, start, end, M, qk_scale, key_mask_base,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr, WHOLE_BLOCK: tl.constexpr,
 ):
     r"""Fold key blocks ``[start, end)`` into the online softmax of one query block.
 
@@ -22,15 +22,15 @@ def _forward_inner(
     :math:`\mathrm{acc}_i = \sum_j 2^{s_{ij} - m_i} v_j`, a new block rescales both by
     :math:`2^{m_i^{old} - m_i^{new}}` before adding its own terms. With a key-padding mask a row may
     have seen no key yet (:math:`m_i = -\infty`); the exponentials then use 0 as the shift, so that
-    they are 0 instead of NaN.
+    they are 0 instead of NaN. ``k_src``, ``v_src``: :func:`~flashbob.kernels.common.tile_source`;
+    ``WHOLE_BLOCK``: :func:`~flashbob.kernels.common.mask_scores`.
     """
     for start_n in range(start, end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
-        k = common.load_tile(k_base, keys, M, stride_kn, HEAD_DIM, BLOCK_D)
-        v = common.load_tile(v_base, keys, M, stride_vn, HEAD_DIM, BLOCK_D)
+        k = common.load_block(k_src, start_n, keys, M, stride_kn, HEAD_DIM, BLOCK_D, TMA)
+        v = common.load_block(v_src, start_n, keys, M, stride_vn, HEAD_DIM, BLOCK_D, TMA)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        visible = common.visible_keys(rows, keys, M, key_mask_base, MASK_CAUSAL=MASK_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK)
-        scores = tl.where(visible, scores, float("-inf"))
+        scores = common.mask_scores(scores, rows, keys, M, key_mask_base, MASK_CAUSAL, HAS_KEY_MASK, WHOLE_BLOCK)
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         if HAS_KEY_MASK:
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -52,41 +52,52 @@ def _forward_kernel(
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
     STATS, KEY_MASK, heads, group, N, M, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r""":math:`O = \mathrm{softmax}(\tau Q K^\top) V` and the softmax statistics :math:`(m_i, \log_2 \ell_i)`
     (:func:`~flashbob.kernels.common.load_softmax_stats`) for one query block; causal: key blocks right
     of the diagonal are skipped, diagonal ones masked. Rows that see no key (key-padding mask) store
-    :math:`O_i = 0` and :math:`(+\infty, 0)`."""
+    :math:`O_i = 0` and :math:`(+\infty, 0)`. ``TMA`` (the ``"tma"`` variant): tiles through tensor
+    descriptors, and the whole key blocks left of the diagonal in a loop of their own without the key-range
+    and causal masks (:func:`~flashbob.kernels.common.whole_block_end`)."""
     start_m, rows, batch_head, batch, head, kv_head, key_mask_base = common.query_block(heads, group, KEY_MASK, M, BLOCK_M)
-    k_base = common.head_pointer(K, batch, kv_head, stride_kb, stride_kh)
-    v_base = common.head_pointer(V, batch, kv_head, stride_vb, stride_vh)
-
-    q = common.load_tile(common.head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM,
-                         BLOCK_D)
+    k_src = common.tile_source(common.head_pointer(K, batch, kv_head, stride_kb, stride_kh), M, stride_kn, HEAD_DIM,
+                               BLOCK_N, BLOCK_D, TMA)
+    v_src = common.tile_source(common.head_pointer(V, batch, kv_head, stride_vb, stride_vh), M, stride_vn, HEAD_DIM,
+                               BLOCK_N, BLOCK_D, TMA)
+    q_src = common.tile_source(common.head_pointer(Q, batch, head, stride_qb, stride_qh), N, stride_qn, HEAD_DIM,
+                               BLOCK_M, BLOCK_D, TMA)
+    q = common.load_block(q_src, start_m, rows, N, stride_qn, HEAD_DIM, BLOCK_D, TMA)
     acc_dtype = STATS.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=acc_dtype)
     row_sum = tl.zeros([BLOCK_M], dtype=acc_dtype)
 
     unmasked_end, end = common.row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
+    whole_end = common.whole_block_end(unmasked_end, BLOCK_N, TMA)
+    if TMA:
+        acc, row_max, row_sum = _forward_inner(
+            acc, row_max, row_sum, q, k_src, v_src, stride_kn, stride_vn, rows, 0, whole_end, M, qk_scale,
+            key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION, HAS_KEY_MASK, TMA, True,
+        )
     acc, row_max, row_sum = _forward_inner(
-        acc, row_max, row_sum, q, k_base, v_base, stride_kn, stride_vn, rows, 0, unmasked_end, M, qk_scale,
-        key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION, HAS_KEY_MASK,
+        acc, row_max, row_sum, q, k_src, v_src, stride_kn, stride_vn, rows, whole_end, unmasked_end, M, qk_scale,
+        key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION, HAS_KEY_MASK, TMA, False,
     )
     if CAUSAL:
         acc, row_max, row_sum = _forward_inner(
-            acc, row_max, row_sum, q, k_base, v_base, stride_kn, stride_vn, rows, unmasked_end, end, M,
-            qk_scale, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, HAS_KEY_MASK,
+            acc, row_max, row_sum, q, k_src, v_src, stride_kn, stride_vn, rows, unmasked_end, end, M,
+            qk_scale, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, HAS_KEY_MASK, TMA, False,
         )
 
-    o_base = common.head_pointer(O, batch, head, stride_ob, stride_oh)
+    o_src = common.tile_source(common.head_pointer(O, batch, head, stride_ob, stride_oh), N, stride_on, HEAD_DIM,
+                               BLOCK_M, BLOCK_D, TMA)
     if HAS_KEY_MASK:
         seen = row_sum > 0
         row_sum = tl.where(seen, row_sum, 1.0)
         row_max = tl.where(seen, row_max, float("inf"))
     o = acc / row_sum[:, None]
-    common.store_tile(o_base, o, rows, N, stride_on, HEAD_DIM, BLOCK_D)
+    common.store_block(o_src, o, start_m, rows, N, stride_on, HEAD_DIM, BLOCK_D, TMA)
     stats_base = common.softmax_stats_pointer(STATS, batch_head, N)
     tl.store(stats_base + rows, row_max, mask=rows < N)
     tl.store(stats_base + N + rows, tl.log2(row_sum), mask=rows < N)
@@ -128,6 +139,6 @@ def forward(
     configs.launch(
         "forward", _forward_kernel, common.row_grid(n, batch * heads), *common.with_strides(q, k, v, o), stats,
         key_mask, heads, heads // kv_heads, n, m, scale * common.LOG2E.value, head_dim=head_dim, dtype=q.dtype,
-        length=n, **common.kernel_constants(q, causal, allow_tf32, has_key_mask),
+        length=n, descriptors=(q, k, v, o), **common.kernel_constants(q, causal, allow_tf32, has_key_mask),
     )
     return o, stats
