@@ -87,6 +87,16 @@ VARIANTS = {  # name: (optimizer, its settings)
     # the Gauss-Newton-Bartlett preconditioner with fewer CG iterations
     "newtoncg_cg3": ("newtoncg", [*SETTINGS["newtoncg"], "optimizer.kwargs.max_cg_iters=3"]),
     "newtoncg_cg2": ("newtoncg", [*SETTINGS["newtoncg"], "optimizer.kwargs.max_cg_iters=2"]),
+    # 2 CG iterations, and: backtracking that stops at the last iterate when its reduction ratio is >= 1/4 (one trial
+    # forward on those steps instead of two); the products in reverse mode (J v by the double-vjp trick on one
+    # create_graph backward per step, no forward with tangents); a cold start with 3 iterations (the warm start's
+    # product spent on an iteration)
+    "newtoncg_cg2_accept": ("newtoncg", [*SETTINGS["newtoncg"], "optimizer.kwargs.max_cg_iters=2",
+                                         "optimizer.kwargs.backtrack_accept=0.25"]),
+    "newtoncg_reverse_cg2": ("newtoncg", [*SETTINGS["newtoncg"], "optimizer.kwargs.max_cg_iters=2",
+                                          "optimizer.kwargs.mode=reverse"]),
+    "newtoncg_cold_cg3": ("newtoncg", [*SETTINGS["newtoncg"], "optimizer.kwargs.max_cg_iters=3",
+                                       "optimizer.kwargs.warm_start_decay=0"]),
     # SophiaH's estimate on both windows (the 2026-12-01 settings)
     "sophiah_full": ("sophiah", SOPHIA_H),
 }

@@ -31,8 +31,8 @@ Preconditioner = Literal["hutchinson", "bartlett", "squared_gradients"] | None
 #: Settings that belong to the one joint solve; every parameter group must agree on them.
 GLOBAL_SETTINGS = (
     "damping", "adapt_damping", "curvature", "curvature_batch", "mode", "max_cg_iters", "cg_tol", "progress_tol",
-    "progress_window", "warm_start_decay", "backtrack", "line_search", "preconditioner", "precond_exponent",
-    "precond_beta", "maximize",
+    "progress_window", "warm_start_decay", "backtrack", "backtrack_accept", "line_search", "preconditioner",
+    "precond_exponent", "precond_beta", "maximize",
 )  # fmt: skip
 ARMIJO_C, ARMIJO_SHRINK, ARMIJO_TRIALS = 1e-2, 0.8, 10  # Martens (2010), section 4.6
 DAMPING_DOWN, DAMPING_UP = 2 / 3, 3 / 2  # Levenberg-Marquardt factors (Martens, 2010, section 4.1)
@@ -65,7 +65,8 @@ class NewtonCG(_closure.SecondOrderOptimizer):
        the iterate so far, or a descent step along the first direction, is kept).
     3. The step is :math:`s = D x` with :math:`D` the learning rate of each parameter's group.
        CG backtracking (Martens, section 4.6) evaluates :math:`f(\theta + s_i)` at iterates saved at
-       iterations :math:`\lceil 1.3^j \rceil`, from the last backwards while :math:`f` falls.
+       iterations :math:`\lceil 1.3^j \rceil`, from the last backwards while :math:`f` falls (and, with
+       ``backtrack_accept``, until an iterate's reduction ratio :math:`\rho_i` reaches it).
     4. Levenberg-Marquardt: with the reduction ratio
        :math:`\rho = (f(\theta + s) - f(\theta)) / (q(s) - q(0))` (undamped model),
        :math:`\lambda \leftarrow \tfrac32 \lambda` if :math:`\rho < \tfrac14` and
@@ -152,6 +153,11 @@ class NewtonCG(_closure.SecondOrderOptimizer):
             from iteration 11 on; a smaller window lets it stop a short solve).
         warm_start_decay: :math:`\zeta` of the warm start :math:`x_0 = \zeta x_{\text{prev}}` (0: cold start).
         backtrack: CG backtracking over saved iterates.
+        backtrack_accept: ``None`` (Martens' backtracking) or a threshold :math:`\rho_{\min} \ge 0`: backtracking
+            stops at the first iterate evaluated (the last first) whose reduction ratio
+            :math:`\rho_i = (f(\theta + s_i) - f(\theta)) / (q(s_i) - q(0))` is at least :math:`\rho_{\min}`,
+            without evaluating the earlier ones: one trial forward on the steps where the last iterate's
+            quadratic model holds that well (Martens evaluates at least two whenever two iterates are saved).
         line_search: Armijo backtracking line search.
         preconditioner: ``None``, ``"squared_gradients"`` (EMA of :math:`g \circ g`),
             ``"hutchinson"`` (EMA of the Hutchinson estimate of :math:`|\operatorname{diag} B|`, one
@@ -200,6 +206,7 @@ class NewtonCG(_closure.SecondOrderOptimizer):
         progress_window: int = 10,
         warm_start_decay: float = 0.95,
         backtrack: bool = True,
+        backtrack_accept: float | None = None,
         line_search: bool = True,
         preconditioner: Preconditioner = None,
         precond_exponent: float = 0.75,
@@ -220,6 +227,10 @@ class NewtonCG(_closure.SecondOrderOptimizer):
             raise ValueError("NewtonCG(preconditioner='bartlett') estimates the Gauss-Newton diagonal: it needs "
                              "curvature='ggn' or 'auto', not 'hessian'")
         _closure.check_rows("NewtonCG", "curvature_batch", curvature_batch)
+        if backtrack_accept is not None and not _closure.NON_NEGATIVE.allows(backtrack_accept):
+            raise ValueError(
+                f"NewtonCG: invalid backtrack_accept: {backtrack_accept!r}; expected None or {_closure.NON_NEGATIVE}"
+            )
         if mode not in ("reverse", "forward"):
             raise ValueError(f"NewtonCG: mode must be 'reverse' or 'forward', got {mode!r}")
         if mode == "forward" and not isinstance(module, nn.Module):
@@ -231,8 +242,8 @@ class NewtonCG(_closure.SecondOrderOptimizer):
             lr=lr, damping=damping, adapt_damping=adapt_damping, curvature=curvature, curvature_batch=curvature_batch,
             mode=mode, max_cg_iters=max_cg_iters, cg_tol=cg_tol, progress_tol=progress_tol,
             progress_window=progress_window, warm_start_decay=warm_start_decay, backtrack=backtrack,
-            line_search=line_search, preconditioner=preconditioner, precond_exponent=precond_exponent,
-            precond_beta=precond_beta, weight_decay=weight_decay, maximize=maximize,
+            backtrack_accept=backtrack_accept, line_search=line_search, preconditioner=preconditioner,
+            precond_exponent=precond_exponent, precond_beta=precond_beta, weight_decay=weight_decay, maximize=maximize,
         )  # fmt: skip
         super().__init__(params, defaults)
         self.module = module
@@ -466,8 +477,12 @@ class NewtonCG(_closure.SecondOrderOptimizer):
             values.append(value if math.isfinite(value) else math.inf)
             return values[-1]
 
+        def accepted(index: int, value: float) -> bool:
+            threshold = settings["backtrack_accept"]
+            return threshold is not None and models[index] < 0 and (value - f0) / models[index] >= threshold
+
         best = f(1.0, chosen)
-        while settings["backtrack"] and chosen > 0:
+        while settings["backtrack"] and chosen > 0 and not accepted(chosen, best):
             previous = f(1.0, chosen - 1)
             if previous >= best:
                 break

@@ -312,6 +312,36 @@ def test_newton_cg_maximize_searches_on_minus_the_loss(gen):
     assert stats[True][1] == pytest.approx(stats[False][1], rel=1e-12)
 
 
+def test_newton_cg_backtrack_accept_evaluates_only_an_acceptable_last_iterate():
+    """backtrack_accept=0 (accept any iterate that lowers f) evaluates only the last CG iterate and takes the step of
+    backtrack=False, where Martens' backtracking evaluates at least two; a threshold the ratio cannot reach takes
+    Martens' steps."""
+    torch.manual_seed(0)
+    x, y = torch.randn(12, 4, dtype=DTYPE), torch.randint(0, 3, (12,))
+    initial = MLP([4, 6, 3])
+    runs = {}
+    for name, options in {"martens": {}, "accept": {"backtrack_accept": 0.0}, "unreachable": {"backtrack_accept": 1e9},
+                          "last": {"backtrack": False}}.items():  # fmt: skip
+        model, trials = copy.deepcopy(initial), []
+        closure = mlp_closure(model, x, y)
+        opt = NewtonCG(model.parameters(), max_cg_iters=5, damping=0.01, **options)
+
+        def counted(rows=slice(None), closure=closure, trials=trials):
+            trials.append(not torch.is_grad_enabled())
+            return closure(rows)
+
+        opt.step(counted)
+        runs[name] = (list(model.parameters()), sum(trials), opt.stats["reduction_ratio"])
+    assert runs["accept"][1] == 1 and runs["martens"][1] >= 2 and runs["accept"][2] >= 0
+    torch.testing.assert_close(runs["accept"][0], runs["last"][0], rtol=0, atol=0)
+    torch.testing.assert_close(runs["unreachable"][0], runs["martens"][0], rtol=0, atol=0)
+    assert runs["unreachable"][1] == runs["martens"][1]
+    assert any(not torch.equal(p, q) for p, q in zip(runs["accept"][0], runs["martens"][0])), "Martens backtracked"
+    for bad in (-0.5, math.nan, "0.5"):
+        with pytest.raises(ValueError, match="invalid backtrack_accept"):
+            NewtonCG(initial.parameters(), backtrack_accept=bad)
+
+
 # -------------------------------------------------------------------------------------- forward mode
 
 
