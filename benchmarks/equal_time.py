@@ -26,9 +26,10 @@ no warm-up, no decay) the budget alone ends the run.
    optimizer's base settings; its step time is the mean from step 3 on (two of those steps
    refresh Sophia's Hessian estimate, one in ten as in the runs).
 2. Sweep (not with ``--compare-only``), ``--sweep-seconds`` (60) per run at the config's
-   ``train.seed``: every point of the optimizer's :data:`GRIDS`; the best point is the one with
-   the lowest validation loss at the end among the runs that ended normally. Writes one row per
-   run to ``--sweep-csv`` (default ``<docs>/equal_time_sweep.csv``).
+   ``train.seed``: every point of the optimizer's :data:`GRIDS`, then, while the best lies at the edge of an
+   axis, the next point beyond it (:func:`extension_points`, at most ``--edge-extensions`` (2) beyond each end);
+   the best point is the one with the lowest validation loss at the end among the runs that ended normally.
+   Writes one row per run to ``--sweep-csv`` (default ``<docs>/equal_time_sweep.csv``).
 3. Comparison (not with ``--sweep-only``): each optimizer's best point of the sweep for
    ``--budget-seconds`` (240) per run and ``--seeds`` (1 2: not the seed it was tuned on; seed 1
    of every optimizer first), :data:`COMPARE_EVALUATIONS` validations, evenly spaced in steps, on
@@ -81,16 +82,19 @@ from recipes.lm.train import load_config, load_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 OPTIMIZERS = ["adamw", "sophiah", "sophiag", "newtoncg"]
-# Each optimizer's sweep: every combination of these values on top of its SETTINGS in compare_optimizers.py.
-# AdamW and Sophia share the learning rates (Sophia's clipped step moves a coordinate by at most lr, AdamW's by
-# about lr); rho spans SophiaH's published 0.01 and SophiaG's 0.04. NewtonCG scales its CG step (found by
-# backtracking and an Armijo search) by lr; damping is the initial Levenberg-Marquardt damping, adapted after.
+# Each optimizer's sweep: every combination of these values on top of its SETTINGS in compare_optimizers.py, then
+# points beyond an edge where the best lies (:func:`extension_points`). AdamW's step moves a coordinate by about
+# lr; Sophia's clipped step by up to lr, mostly by lr exactly (a sign step: 85-90% of the coordinates clip at
+# these rho), so its grid starts 4x lower; rho spans SophiaH's published 0.01 and SophiaG's 0.04. NewtonCG scales
+# its CG step (found by backtracking and an Armijo search) by lr; damping is the initial Levenberg-Marquardt
+# damping, adapted after. Every axis is geometric: an extension continues it by the ratio of its first two values.
 GRIDS = {
     "adamw": {"lr": (1e-3, 2e-3, 4e-3)},
-    "sophiah": {"lr": (1e-3, 2e-3, 4e-3), "rho": (0.01, 0.04)},
-    "sophiag": {"lr": (1e-3, 2e-3, 4e-3), "rho": (0.01, 0.04)},
+    "sophiah": {"lr": (2.5e-4, 5e-4, 1e-3), "rho": (0.01, 0.04)},
+    "sophiag": {"lr": (2.5e-4, 5e-4, 1e-3), "rho": (0.01, 0.04)},
     "newtoncg": {"lr": (0.25, 0.5, 1.0), "damping": (0.1, 1.0)},
 }
+EDGE_EXTENSIONS = 2  # at most this many points beyond each end of each axis (--edge-extensions)
 KEYS = {"lr": "optimizer.lr", "rho": "optimizer.kwargs.rho", "damping": "optimizer.kwargs.damping"}
 CALIBRATION_STEPS = 22  # step time: the mean of steps 3-22
 SCHEDULE_FILL = 0.97  # the scheduled steps fill this share of the budget at the calibrated step time
@@ -205,11 +209,52 @@ def best_settings(sweep_rows: list[dict]) -> dict[str, dict]:
     return best
 
 
-def grid_edges(optimizer: str, setting: str) -> list[str]:
-    """The grid axes (of more than one value) on which ``setting`` lies at the smallest or largest value."""
+def grid_edges(optimizer: str, setting: str, rows: list[dict] = ()) -> list[str]:
+    """The axes (of more than one value in the grid) on which ``setting`` lies at the smallest or largest value of
+    the grid and of the ``rows`` of ``optimizer`` swept so far."""
     axes = GRIDS.get(optimizer, {})
-    return [key for key, value in parse_setting(setting)
-            if len(axes.get(key, ())) > 1 and value in (min(axes[key]), max(axes[key]))]
+    tried = swept_values(optimizer, rows)
+    return [key for key, value in parse_setting(setting) if len(axes.get(key, ())) > 1
+            and value in (min(axes[key] + tried.get(key, ())), max(axes[key] + tried.get(key, ())))]
+
+
+def swept_values(optimizer: str, rows: list[dict]) -> dict[str, tuple[float, ...]]:
+    """Per axis, the values of the sweep ``rows`` of ``optimizer``."""
+    tried: dict[str, set[float]] = {}
+    for row in rows:
+        if row["optimizer"] == optimizer:
+            for key, value in parse_setting(row["setting"]):
+                tried.setdefault(key, set()).add(value)
+    return {key: tuple(sorted(values)) for key, values in tried.items()}
+
+
+def extension_points(optimizer: str, rows: list[dict], limit: int) -> list[tuple[tuple[str, float], ...]]:
+    r"""The points to sweep beyond the grid because the best so far lies at an edge.
+
+    Once every grid point of ``optimizer`` is in ``rows`` (the sweep so far), take the best run
+    (:func:`best_settings`). For each axis of more than one value on which its value :math:`v` is the smallest
+    (largest) swept, the point :math:`v / r` (:math:`v r`) with the best's other values, :math:`r` the ratio of
+    the axis's first two grid values, unless ``limit`` points already lie beyond that end of the grid. The sweep
+    ends when the best is inside on every axis or the limit is reached (the summary then marks the edge).
+    """
+    axes = GRIDS.get(optimizer, {})
+    mine = [row for row in rows if row["optimizer"] == optimizer]
+    swept = {row["setting"] for row in mine}
+    best = best_settings(mine).get(optimizer)
+    if best is None or any(label(point) not in swept for point in grid(optimizer)):
+        return []
+    point, tried = dict(parse_setting(best["setting"])), swept_values(optimizer, mine)
+    points = []
+    for key, values in axes.items():
+        if len(values) < 2:
+            continue
+        ratio = values[1] / values[0]
+        for end, step, beyond in ((min(values), 1 / ratio, [v for v in tried[key] if v < min(values)]),
+                                  (max(values), ratio, [v for v in tried[key] if v > max(values)])):
+            at_edge = point[key] == (min(tried[key]) if step < 1 else max(tried[key]))
+            if at_edge and len(beyond) < limit:
+                points.append(tuple((k, float(f"{v * step:.6g}") if k == key else v) for k, v in point.items()))
+    return [p for p in points if label(p) not in swept]
 
 
 def curves_of(rows: list[dict]) -> dict[tuple[str, str, int], list[dict]]:
@@ -310,7 +355,7 @@ def sweep_table(rows: list[dict]) -> str:
     for r in rows:
         mark = ""
         if best.get(r["optimizer"]) == r["setting"]:
-            edges = grid_edges(r["optimizer"], r["setting"])
+            edges = grid_edges(r["optimizer"], r["setting"], rows)
             mark = "best" + (f" ({', '.join(edges)} at the grid's edge)" if edges else "")
         lines.append(f"| {r['optimizer']} | {r['setting']} | {r['status']} | {r['end'] or ''} | {r['steps']} | "
                      f"{_number(r['train_s'], 1)} | {_number(r['tokens_per_s'], 0)} | {_number(r['val_loss'], 3)} | "
@@ -537,20 +582,24 @@ def compare_run(session: Session, run: Run, step_s: float) -> None:
 
 
 def pending_sweep(session: Session) -> list[Run]:
-    done = {(r["optimizer"], r["setting"], r["seed"], r["budget_s"]) for r in read_csv(session.sweep_csv)}
-    runs = [Run(optimizer, point, session.sweep_seed) for optimizer in session.optimizers for point in grid(optimizer)]
-    return [run for run in runs if (run.optimizer, run.setting, run.seed, session.args.sweep_seconds) not in done]
+    """The sweep's runs left: the grid points not swept, then the :func:`extension_points` of the sweep so far."""
+    rows = [r for r in read_csv(session.sweep_csv) if r["budget_s"] == session.args.sweep_seconds]
+    swept = {(r["optimizer"], r["setting"]) for r in rows}
+    points = [(optimizer, point) for optimizer in session.optimizers for point in grid(optimizer)]
+    points += [(optimizer, point) for optimizer in session.optimizers
+               for point in extension_points(optimizer, rows, session.args.edge_extensions)]
+    return [Run(optimizer, point, session.sweep_seed) for optimizer, point in points
+            if (optimizer, label(point)) not in swept]
 
 
 def pending_comparison(session: Session) -> tuple[list[Run], list[str]]:
     """The comparison's runs left (seed by seed), and the optimizers left out because their sweep is not done."""
     sweep = [r for r in read_csv(session.sweep_csv) if r["budget_s"] == session.args.sweep_seconds]
     best = best_settings(sweep)
-    swept = {(r["optimizer"], r["setting"]) for r in sweep}
+    unfinished = {run.optimizer for run in pending_sweep(session)}
     ready, waiting = [], []
     for optimizer in session.optimizers:
-        done = all((optimizer, label(point)) in swept for point in grid(optimizer))
-        (ready if done and optimizer in best else waiting).append(optimizer)
+        (ready if optimizer not in unfinished and optimizer in best else waiting).append(optimizer)
     finished = {(r["optimizer"], r["setting"], r["seed"]) for r in last_rows(read_csv(session.comparison_csv))
                 if r["budget_s"] == session.args.budget_seconds}
     runs = [Run(optimizer, parse_setting(best[optimizer]["setting"]), seed)
@@ -594,6 +643,8 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     phase.add_argument("--compare-only", action="store_true")
     parser.add_argument("--plan", action="store_true", help="print the runs left and their GPU minutes; run none")
     parser.add_argument("--max-minutes", type=float, help="start no run that would end after this many minutes")
+    parser.add_argument("--edge-extensions", type=int, default=EDGE_EXTENSIONS,
+                        help="points the sweep may add beyond each end of each grid axis while the best lies there")
     parser.add_argument("--stem", default="equal_time", help="names the comparison's and calibration's files")
     parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "results", help="where the CSVs and plots go")
     parser.add_argument("--sweep-csv", type=Path, help="the sweep's CSV (default <docs>/equal_time_sweep.csv)")
@@ -666,7 +717,9 @@ def plan(session: Session) -> str:
     minutes = sum(item[-1] for item in items) / 60
     lines += ["", (f"{len(items)} runs, about {minutes:.1f} GPU minutes ({overhead:.0f} s per run beyond its budget"
                    f"{guess}): about {calls} calls of --max-minutes {limit / 60:g}. A fresh machine adds the BPE "
-                   "tokenizer and token ids (a minute or two) and the first compilations.")]
+                   "tokenizer and token ids (a minute or two) and the first compilations. Where an optimizer's best "
+                   f"lies at an edge of its grid, the sweep adds up to {a.edge_extensions} points beyond each end of "
+                   "each axis, not counted here.")]
     return "\n".join(lines)
 
 
@@ -717,8 +770,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"data ready in {time.perf_counter() - began:.1f} s: {len(corpus.train):,} training and "
           f"{len(corpus.val):,} validation tokens", file=sys.stderr)
     left = []
-    if not args.compare_only:
-        left += execute(session, pending_sweep(session), args.sweep_seconds, sweep_run)
+    while not args.compare_only and not left and (
+        runs := [run for run in pending_sweep(session) if run.optimizer not in session.failed]
+    ):
+        left += execute(session, runs, args.sweep_seconds, sweep_run)
     if not args.sweep_only and not left:
         runs, waiting = pending_comparison(session)
         if waiting:

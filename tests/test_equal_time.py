@@ -40,7 +40,7 @@ def test_the_pipeline_sweeps_compares_summarises_and_resumes(tmp_path, monkeypat
     docs = tmp_path / "docs"
     argv = ["--config", "configs/lm/tiny.yaml", "--optimizers", "adamw", "newtoncg", "--sweep-seconds", str(SWEEP_S),
             "--budget-seconds", str(BUDGET_S), "--seeds", "1", "--docs", str(docs), "--out-dir", str(tmp_path / "runs"),
-            *MICRO]  # fmt: skip
+            "--edge-extensions", "1", *MICRO]  # fmt: skip
     et.main([*argv, "--plan"])
     plan = [line.split(" | ")[:3] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
     assert plan == [["| calibration", "adamw", "base"], ["| calibration", "newtoncg", "base"],
@@ -55,10 +55,20 @@ def test_the_pipeline_sweeps_compares_summarises_and_resumes(tmp_path, monkeypat
     step_s = {r["optimizer"]: r["step_s"] for r in et.read_csv(docs / "equal_time_calibration.csv")}
     assert sorted(step_s) == ["adamw", "newtoncg"] and all(s > 0 for s in step_s.values())
     sweep = et.read_csv(docs / "equal_time_sweep.csv")
-    assert [(r["optimizer"], r["setting"], r["seed"], r["status"]) for r in sweep] == [
+    on_grid, extended = sweep[:4], sweep[4:]
+    assert [(r["optimizer"], r["setting"], r["seed"], r["status"]) for r in on_grid] == [
         ("adamw", "lr=0.001", 0, "ok"), ("adamw", "lr=0.003", 0, "ok"),
         ("newtoncg", "lr=0.5", 0, "ok"), ("newtoncg", "lr=1", 0, "ok")]
-    assert all(r["val_loss"] > 0 and (r["train_s"] >= SWEEP_S) == (r["end"] == "budget") for r in sweep)
+    # a run ends at the budget (train.max_seconds) or with its schedule's last step, whichever comes first
+    assert all(r["val_loss"] > 0 and (r["end"] == "budget") == (r["steps"] < r["planned_steps"]) for r in on_grid)
+    assert all(r["train_s"] >= SWEEP_S for r in on_grid if r["end"] == "budget")
+    # two points per axis: the grid's best lies at an edge, so one point beyond it (--edge-extensions 1) each
+    assert [r["optimizer"] for r in extended] == ["adamw", "newtoncg"]
+    for row in extended:
+        low, high = et.GRIDS[row["optimizer"]]["lr"]
+        best_lr = et.parse_setting(et.best_settings(on_grid)[row["optimizer"]]["setting"])[0][1]
+        beyond = low / (high / low) if best_lr == low else high * (high / low)
+        assert et.parse_setting(row["setting"])[0][1] == pytest.approx(beyond, rel=1e-5)
     best = et.best_settings(sweep)
 
     rows = et.read_csv(docs / "equal_time.csv")
@@ -194,6 +204,29 @@ def test_the_packages_corpus_is_the_installed_packages_source(tmp_path):
     stream = b"".join(path.read_bytes() + data.SEPARATOR for path in training_files)
     assert len(stream) > 1000 and first.train.tobytes()[:1000] == stream[:1000]  # the files in order of their names
     assert LM.config(tmp_path, "data.source=packages").data.source == "packages"  # no data.path needed
+
+
+def test_the_sweep_extends_an_axis_while_its_best_lies_at_the_edge(monkeypatch):
+    """Beyond the grid only once every grid point has run, one point per edge axis (the best's other values kept,
+    the axis continued by its ratio), at most the limit beyond each end; a best inside the grid adds nothing."""
+    monkeypatch.setitem(et.GRIDS, "sophiah", {"lr": (2.5e-4, 5e-4, 1e-3), "rho": (0.01, 0.04)})
+    losses = {"lr=0.00025 rho=0.01": 5.8, "lr=0.00025 rho=0.04": 5.7, "lr=0.0005 rho=0.01": 6.2,
+              "lr=0.0005 rho=0.04": 6.1, "lr=0.001 rho=0.01": 6.3}
+    rows = [sweep_row("sophiah", setting, loss) for setting, loss in losses.items()]
+    assert et.extension_points("sophiah", rows, 2) == []  # the grid is not finished
+    rows.append(sweep_row("sophiah", "lr=0.001 rho=0.04", 5.0, "failed (exit 1)"))
+    assert [et.label(p) for p in et.extension_points("sophiah", rows, 2)] == ["lr=0.000125 rho=0.04",
+                                                                              "lr=0.00025 rho=0.16"]
+    assert et.grid_edges("sophiah", "lr=0.00025 rho=0.04", rows) == ["lr", "rho"]
+    rows += [sweep_row("sophiah", "lr=0.000125 rho=0.04", 5.6), sweep_row("sophiah", "lr=0.00025 rho=0.16", 5.8)]
+    assert [et.label(p) for p in et.extension_points("sophiah", rows, 2)] == ["lr=6.25e-05 rho=0.04"]
+    assert et.extension_points("sophiah", rows, 1) == []  # one point beyond the low end of lr already
+    rows.append(sweep_row("sophiah", "lr=6.25e-05 rho=0.04", 5.65))
+    assert et.extension_points("sophiah", rows, 2) == []  # the best, lr=0.000125, lies inside
+    assert et.grid_edges("sophiah", "lr=0.000125 rho=0.04", rows) == []
+    adamw = [sweep_row("adamw", "lr=0.001", 4.8), sweep_row("adamw", "lr=0.002", 5.2), sweep_row("adamw", "lr=0.004", 5.7)]
+    assert [et.label(p) for p in et.extension_points("adamw", adamw, 2)] == ["lr=0.0005"]
+    assert et.extension_points("adamw", adamw[:1] + [sweep_row("adamw", "lr=0.002", 4.7)] + adamw[2:], 2) == []
 
 
 def test_the_gpu_configs_and_the_full_plan(tmp_path, capsys):
