@@ -87,16 +87,26 @@ VARIANTS = {  # name: (optimizer, its settings)
     # the Gauss-Newton-Bartlett preconditioner with fewer CG iterations
     "newtoncg_cg3": ("newtoncg", [*SETTINGS["newtoncg"], "optimizer.kwargs.max_cg_iters=3"]),
     "newtoncg_cg2": ("newtoncg", [*SETTINGS["newtoncg"], "optimizer.kwargs.max_cg_iters=2"]),
-    # 2 CG iterations, and: backtracking that stops at the last iterate when its reduction ratio is >= 1/4 (one trial
-    # forward on those steps instead of two); the products in reverse mode (J v by the double-vjp trick on one
-    # create_graph backward per step, no forward with tangents); a cold start with 3 iterations (the warm start's
-    # product spent on an iteration)
+    # 2 CG iterations, and: backtracking that stops at the last iterate when its decrease reaches the first's model
+    # decrease (one trial forward on those steps instead of two; a floor of 1/4 on its own reduction ratio, tried on
+    # 2026-12-01, lost the loss lead: 2.561); the products in reverse mode (J v by the double-vjp trick on one
+    # create_graph backward per step, no forward with tangents); a cold start with 3 or 2 iterations (the warm
+    # start's product spent on an iteration, or saved)
     "newtoncg_cg2_accept": ("newtoncg", [*SETTINGS["newtoncg"], "optimizer.kwargs.max_cg_iters=2",
-                                         "optimizer.kwargs.backtrack_accept=0.25"]),
+                                         "optimizer.kwargs.backtrack_accept=true"]),
     "newtoncg_reverse_cg2": ("newtoncg", [*SETTINGS["newtoncg"], "optimizer.kwargs.max_cg_iters=2",
                                           "optimizer.kwargs.mode=reverse"]),
     "newtoncg_cold_cg3": ("newtoncg", [*SETTINGS["newtoncg"], "optimizer.kwargs.max_cg_iters=3",
                                        "optimizer.kwargs.warm_start_decay=0"]),
+    "newtoncg_cold_cg2": ("newtoncg", [*SETTINGS["newtoncg"], "optimizer.kwargs.max_cg_iters=2",
+                                       "optimizer.kwargs.warm_start_decay=0"]),
+    "newtoncg_cold_cg2_accept": ("newtoncg", [*SETTINGS["newtoncg"], "optimizer.kwargs.max_cg_iters=2",
+                                              "optimizer.kwargs.warm_start_decay=0",
+                                              "optimizer.kwargs.backtrack_accept=true"]),
+    # 2 CG iterations with the products on both windows, on the gradient's own graph: no closure(rows) forward (at 8K
+    # the passes are bound by host time, so a product on 2 windows may cost about what one on 1 window does)
+    "newtoncg_cg2_allrows": ("newtoncg", [*SETTINGS["newtoncg"], "optimizer.kwargs.max_cg_iters=2",
+                                          "optimizer.kwargs.curvature_batch=null"]),
     # SophiaH's estimate on both windows (the 2026-12-01 settings)
     "sophiah_full": ("sophiah", SOPHIA_H),
 }

@@ -66,7 +66,7 @@ class NewtonCG(_closure.SecondOrderOptimizer):
     3. The step is :math:`s = D x` with :math:`D` the learning rate of each parameter's group.
        CG backtracking (Martens, section 4.6) evaluates :math:`f(\theta + s_i)` at iterates saved at
        iterations :math:`\lceil 1.3^j \rceil`, from the last backwards while :math:`f` falls (and, with
-       ``backtrack_accept``, until an iterate's reduction ratio :math:`\rho_i` reaches it).
+       ``backtrack_accept``, until an iterate's actual decrease reaches the model decrease of every earlier one).
     4. Levenberg-Marquardt: with the reduction ratio
        :math:`\rho = (f(\theta + s) - f(\theta)) / (q(s) - q(0))` (undamped model),
        :math:`\lambda \leftarrow \tfrac32 \lambda` if :math:`\rho < \tfrac14` and
@@ -153,11 +153,14 @@ class NewtonCG(_closure.SecondOrderOptimizer):
             from iteration 11 on; a smaller window lets it stop a short solve).
         warm_start_decay: :math:`\zeta` of the warm start :math:`x_0 = \zeta x_{\text{prev}}` (0: cold start).
         backtrack: CG backtracking over saved iterates.
-        backtrack_accept: ``None`` (Martens' backtracking) or a threshold :math:`\rho_{\min} \ge 0`: backtracking
-            stops at the first iterate evaluated (the last first) whose reduction ratio
-            :math:`\rho_i = (f(\theta + s_i) - f(\theta)) / (q(s_i) - q(0))` is at least :math:`\rho_{\min}`,
-            without evaluating the earlier ones: one trial forward on the steps where the last iterate's
-            quadratic model holds that well (Martens evaluates at least two whenever two iterates are saved).
+        backtrack_accept: Backtracking stops at the first iterate evaluated (the last first) whose actual decrease
+            reaches the model decrease of every earlier saved iterate,
+            :math:`f(\theta + s_i) - f(\theta) \le \min_{j < i} (q(s_j) - q(0))`, without evaluating those:
+            where the earlier iterates' models do not underestimate their decrease (:math:`\rho_j \le 1`), none
+            of them is better. One trial forward on such steps, where Martens' backtracking (``False``) evaluates
+            at least two whenever two iterates are saved. A fixed floor on the last iterate's own ratio
+            :math:`\rho_i` cannot tell this: an earlier iterate whose model predicts a third of the decrease
+            beats one with :math:`\rho_i = 1/4`.
         line_search: Armijo backtracking line search.
         preconditioner: ``None``, ``"squared_gradients"`` (EMA of :math:`g \circ g`),
             ``"hutchinson"`` (EMA of the Hutchinson estimate of :math:`|\operatorname{diag} B|`, one
@@ -206,7 +209,7 @@ class NewtonCG(_closure.SecondOrderOptimizer):
         progress_window: int = 10,
         warm_start_decay: float = 0.95,
         backtrack: bool = True,
-        backtrack_accept: float | None = None,
+        backtrack_accept: bool = False,
         line_search: bool = True,
         preconditioner: Preconditioner = None,
         precond_exponent: float = 0.75,
@@ -227,10 +230,8 @@ class NewtonCG(_closure.SecondOrderOptimizer):
             raise ValueError("NewtonCG(preconditioner='bartlett') estimates the Gauss-Newton diagonal: it needs "
                              "curvature='ggn' or 'auto', not 'hessian'")
         _closure.check_rows("NewtonCG", "curvature_batch", curvature_batch)
-        if backtrack_accept is not None and not _closure.NON_NEGATIVE.allows(backtrack_accept):
-            raise ValueError(
-                f"NewtonCG: invalid backtrack_accept: {backtrack_accept!r}; expected None or {_closure.NON_NEGATIVE}"
-            )
+        if not isinstance(backtrack_accept, bool):
+            raise ValueError(f"NewtonCG: invalid backtrack_accept: {backtrack_accept!r}; expected True or False")
         if mode not in ("reverse", "forward"):
             raise ValueError(f"NewtonCG: mode must be 'reverse' or 'forward', got {mode!r}")
         if mode == "forward" and not isinstance(module, nn.Module):
@@ -478,8 +479,8 @@ class NewtonCG(_closure.SecondOrderOptimizer):
             return values[-1]
 
         def accepted(index: int, value: float) -> bool:
-            threshold = settings["backtrack_accept"]
-            return threshold is not None and models[index] < 0 and (value - f0) / models[index] >= threshold
+            """Whether iterate ``index`` decreased f as much as any earlier saved iterate's model predicts."""
+            return settings["backtrack_accept"] and value - f0 <= min(models[:index])
 
         best = f(1.0, chosen)
         while settings["backtrack"] and chosen > 0 and not accepted(chosen, best):

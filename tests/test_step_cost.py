@@ -312,34 +312,44 @@ def test_newton_cg_maximize_searches_on_minus_the_loss(gen):
     assert stats[True][1] == pytest.approx(stats[False][1], rel=1e-12)
 
 
-def test_newton_cg_backtrack_accept_evaluates_only_an_acceptable_last_iterate():
-    """backtrack_accept=0 (accept any iterate that lowers f) evaluates only the last CG iterate and takes the step of
-    backtrack=False, where Martens' backtracking evaluates at least two; a threshold the ratio cannot reach takes
-    Martens' steps."""
-    torch.manual_seed(0)
-    x, y = torch.randn(12, 4, dtype=DTYPE), torch.randint(0, 3, (12,))
-    initial = MLP([4, 6, 3])
+def test_newton_cg_backtrack_accept_takes_the_last_iterate_only_when_it_beats_the_earlier_models(gen):
+    """backtrack_accept on f = q + c |theta - theta_0|^4 (the quartic adds nothing to g or H at theta_0, so q is
+    the exact model and f - q = c |s|^4): c = 0 (every rho_i = 1): one trial forward and the last iterate, where
+    Martens' backtracking evaluates two; c such that q(s_1) < f(s_2) - f_0 <= q(s_2) / 4 and f(s_1) < f(s_2): the
+    last iterate's ratio is at least 1/4 (a fixed floor of 1/4 took it) but it misses the first's model decrease,
+    so backtracking goes on and takes Martens' (better) first iterate."""
+    n = 6
+    a = spd(n, gen, torch.logspace(-1, 1, n, dtype=DTYPE))
+    b, theta0 = torch.randn(n, generator=gen, dtype=DTYPE), torch.randn(n, generator=gen, dtype=DTYPE)
+    g = a @ theta0 + b
+    solve = cg(lambda v: (a @ v[0],), (-g,), max_iter=2, save_at={1, 2})
+    q = [float(g @ it.x[0] + 0.5 * it.x[0] @ a @ it.x[0]) for it in solve.iterates]
+    s1, s2 = (it.x[0] for it in solve.iterates)
+    c_between = 0.5 * (q[0] + q[1] / 4 - 2 * q[1]) / float(s2.norm() ** 4)  # f(s_2) - f_0 halfway
+    assert q[0] < q[1] / 4 and q[0] + c_between * float(s1.norm() ** 4) < q[1] + c_between * float(s2.norm() ** 4)
     runs = {}
-    for name, options in {"martens": {}, "accept": {"backtrack_accept": 0.0}, "unreachable": {"backtrack_accept": 1e9},
-                          "last": {"backtrack": False}}.items():  # fmt: skip
-        model, trials = copy.deepcopy(initial), []
-        closure = mlp_closure(model, x, y)
-        opt = NewtonCG(model.parameters(), max_cg_iters=5, damping=0.01, **options)
+    for c in (0.0, c_between):
+        for name, options in {"martens": {}, "accept": {"backtrack_accept": True}, "last": {"backtrack": False}}.items():
+            theta, trials = theta0.clone().requires_grad_(), []
 
-        def counted(rows=slice(None), closure=closure, trials=trials):
-            trials.append(not torch.is_grad_enabled())
-            return closure(rows)
+            def closure(theta=theta, c=c, trials=trials):
+                trials.append(not torch.is_grad_enabled())
+                return 0.5 * theta @ a @ theta + b @ theta + c * (theta - theta0).square().sum() ** 2
 
-        opt.step(counted)
-        runs[name] = (list(model.parameters()), sum(trials), opt.stats["reduction_ratio"])
-    assert runs["accept"][1] == 1 and runs["martens"][1] >= 2 and runs["accept"][2] >= 0
-    torch.testing.assert_close(runs["accept"][0], runs["last"][0], rtol=0, atol=0)
-    torch.testing.assert_close(runs["unreachable"][0], runs["martens"][0], rtol=0, atol=0)
-    assert runs["unreachable"][1] == runs["martens"][1]
-    assert any(not torch.equal(p, q) for p, q in zip(runs["accept"][0], runs["martens"][0])), "Martens backtracked"
-    for bad in (-0.5, math.nan, "0.5"):
+            opt = NewtonCG([theta], curvature="hessian", max_cg_iters=2, damping=0.0, **options)
+            opt.step(closure)
+            runs[c, name] = (theta.detach(), sum(trials), opt.stats["step_size"])
+    assert [runs[0.0, name][1] for name in ("martens", "accept")] == [2, 1]
+    torch.testing.assert_close(runs[0.0, "accept"][0], theta0 + s2, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(runs[0.0, "martens"][0], theta0 + s2, rtol=1e-12, atol=1e-12)
+    assert runs[c_between, "accept"][1] == runs[c_between, "martens"][1] >= 2
+    assert runs[c_between, "accept"][2] == runs[c_between, "martens"][2] == 1.0
+    torch.testing.assert_close(runs[c_between, "accept"][0], theta0 + s1, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(runs[c_between, "martens"][0], theta0 + s1, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(runs[c_between, "last"][0], theta0 + s1), "the last iterate differs"
+    for bad in (0.25, None, "yes"):
         with pytest.raises(ValueError, match="invalid backtrack_accept"):
-            NewtonCG(initial.parameters(), backtrack_accept=bad)
+            NewtonCG([theta0.clone().requires_grad_()], backtrack_accept=bad)
 
 
 # -------------------------------------------------------------------------------------- forward mode
