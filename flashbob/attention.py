@@ -29,7 +29,9 @@ class Backend:
     backward_jvp: Callable
 
 
+@functools.cache
 def _triton_backend(allow_tf32: bool) -> Backend:
+    """The kernels with ``allow_tf32`` bound, built once per value (each call of :func:`attention` asks for it)."""
     from flashbob import kernels  # imports triton; only when the Triton backend is used
 
     bind = functools.partial(functools.partial, allow_tf32=allow_tf32)

@@ -27,6 +27,7 @@ the vmapped dimension into the batch dimension, so ``torch.func.grad``, ``vjp``,
 from __future__ import annotations
 
 import functools
+import inspect
 from types import SimpleNamespace
 
 import torch
@@ -89,6 +90,11 @@ def _legacy_vmap_support(forward):
     does not call the Functions' ``vmap`` rules: the backends would see tensors without storage. The
     batch dimension is taken out of every tensor (unbatched ones are expanded), folded into the
     batch dimension as in the ``vmap`` rules, and put back on the outputs.
+
+    The wrapper carries ``forward``'s signature as ``__signature__``: ``Function.apply`` binds the arguments
+    to it on every call (torch 2.13), and ``inspect.signature`` returns a stored one in a few microseconds
+    where it would otherwise rebuild it through ``__wrapped__`` (60-100 us on the CPU: 0.15 ms per forward
+    pass with tangents through ``flashbob.attention``, which applies two Functions).
     """
 
     @functools.wraps(forward)
@@ -115,6 +121,7 @@ def _legacy_vmap_support(forward):
             return torch._add_batch_dim(outputs, 0, level)
         return tuple(torch._add_batch_dim(x, 0, level) for x in outputs)
 
+    wrapper.__signature__ = inspect.signature(forward)
     return wrapper
 
 
