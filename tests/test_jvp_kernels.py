@@ -148,6 +148,52 @@ def test_non_contiguous_inputs(gen, layout, causal, small_tiles):
     assert not inputs["q"].is_contiguous() and not inputs["k_dot"].is_contiguous()
 
 
+TMA_KERNELS = ("jvp_fwd", "jvp_rows", "jvp_dq", "jvp_cols")
+
+
+@pytest.fixture
+def tma_tiles():
+    """The opt-in "tma" variant (tiles through tensor descriptors, whole key blocks of the row sweeps unmasked)
+    with 16x16 tiles; the interpreter emulates tensor descriptors, so the variant itself runs, not its fallback."""
+    with configs.override(block_m=16, block_n=16, variant="tma"):
+        yield
+
+
+def assert_tma_ran(inputs):
+    config = configs.BlockConfig(16, 16, 4, 1, "tma")
+    for kernel in TMA_KERNELS:
+        assert configs.variant_for(kernel, config, tuple(inputs.values())) == "tma", kernel
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES[:2], ids=lambda s: shape_id(*s))
+def test_tma_variant_all_tangents(gen, shape, causal, tma_tiles):
+    """The "tma" variant of the four forward-mode kernels: odd N != M, GQA, every tangent."""
+    inputs, _ = check(gen, shape, TANGENTS, causal=causal)
+    assert_tma_ran(inputs)
+
+
+def test_tma_variant_every_tangent_subset(gen, tma_tiles):
+    """The "tma" variant with each of the 15 subsets of tangents (the absent ones' descriptors and terms are
+    compiled out), causal, N != M."""
+    subsets = [s for r in range(1, 5) for s in itertools.combinations(TANGENTS, r)]
+    inputs = make_inputs(gen, (1, 1, 1, 19, 26, 16), EXACT)
+    assert_tma_ran(inputs)
+    for tangents in subsets:
+        outputs = run_kernels(inputs, tangents, causal=True, scale=0.4)
+        assert_matches_oracle(outputs, inputs, tangents, causal=True, scale=0.4, tolerance=TOLERANCE[EXACT])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_tma_variant_key_mask(gen, causal, tma_tiles):
+    """The variant's unmasked whole key blocks still apply the key-padding mask; rows that see no key get 0."""
+    key_mask = torch.rand(2, 37, generator=gen) > 0.4
+    key_mask[1, :5] = False
+    _, outputs = check(gen, (2, 2, 1, 37, 37, 16), TANGENTS, causal=causal, key_mask=key_mask.to(DEVICE))
+    if causal:
+        assert not outputs["o_dot"][1, :, :5].any() and not outputs["dq_dot"][1, :, :5].any()
+
+
 def test_default_block_sizes(gen):
     """The block sizes of configs.choose, not the test tiles: several tiles at N = M = 70."""
     for kernel in ("jvp_fwd", "jvp_rows", "jvp_dq"):

@@ -63,25 +63,27 @@ def make_inputs(gen, shape, dtype, *, layout="contiguous"):
     return {name: randn(*rows.get(name, (kv_heads, m))).to(DEVICE) for name in names}
 
 
-def run_kernels(inputs, cotangents, *, causal, scale):
+def run_kernels(inputs, cotangents, *, causal, scale, key_mask=None):
     """All ten outputs of forward, backward and BoB, chained as the autograd wiring chains them."""
     q, k, v, do = (inputs[name] for name in ("q", "k", "v", "do"))
-    o, stats = kernels.forward(q, k, v, causal=causal, scale=scale)
-    dq, dk, dv, delta = kernels.backward(q, k, v, o, stats, do, causal=causal, scale=scale)
+    flags = dict(causal=causal, scale=scale, key_mask=key_mask)
+    o, stats = kernels.forward(q, k, v, **flags)
+    dq, dk, dv, delta = kernels.backward(q, k, v, o, stats, do, **flags)
     bars = [inputs[name] if name in cotangents else None for name in COTANGENTS]
-    outs = kernels.bob(q, k, v, do, o, stats, delta, *bars, causal=causal, scale=scale)
+    outs = kernels.bob(q, k, v, do, o, stats, delta, *bars, **flags)
     assert stats.shape == (*q.shape[:2], 2, q.shape[2]), "stats must be (B, H, 2, N)"
     return dict(zip(FORWARD + BACKWARD + BOB, (o, kernels.logsumexp(stats), dq, dk, dv, delta, *outs)))
 
 
-def run_reference(inputs, cotangents, *, causal, scale, dtype=torch.float64):
+def run_reference(inputs, cotangents, *, causal, scale, dtype=torch.float64, key_mask=None):
     """The same ten outputs from the naive autograd oracle, computed in ``dtype``."""
     q, k, v, do = (inputs[name].to(dtype) for name in ("q", "k", "v", "do"))
-    o = reference.attention(q, k, v, causal=causal, scale=scale)
-    lse = reference.log_sum_exp(q, k, causal=causal, scale=scale)
-    dq, dk, dv = reference.attention_backward(q, k, v, do, causal=causal, scale=scale)
+    flags = dict(causal=causal, scale=scale, key_mask=key_mask)
+    o = reference.attention(q, k, v, **flags)
+    lse = reference.log_sum_exp(q, k, **flags)
+    dq, dk, dv = reference.attention_backward(q, k, v, do, **flags)
     bars = [inputs[name].to(dtype) if name in cotangents else None for name in COTANGENTS]
-    outs = reference.backward_over_backward(q, k, v, do, *bars, causal=causal, scale=scale)
+    outs = reference.backward_over_backward(q, k, v, do, *bars, **flags)
     values = (o, lse, dq, dk, dv, (do * o).sum(-1), *outs)
     return dict(zip(FORWARD + BACKWARD + BOB, values))
 
@@ -250,28 +252,13 @@ def test_rectangular_tiles(gen, block_m, block_n, causal):
     assert_matches_reference(outputs, inputs, COTANGENTS, causal=causal, scale=0.2, tolerance=TOLERANCE[EXACT])
 
 
-def first_order(inputs, *, causal, scale, key_mask=None):
-    """Forward and backward outputs (o, lse, dq, dk, dv, delta) of the kernels."""
-    q, k, v, do = (inputs[name] for name in ("q", "k", "v", "do"))
-    o, stats = kernels.forward(q, k, v, causal=causal, scale=scale, key_mask=key_mask)
-    dq, dk, dv, delta = kernels.backward(q, k, v, o, stats, do, causal=causal, scale=scale, key_mask=key_mask)
-    return dict(zip(FORWARD + BACKWARD, (o, kernels.logsumexp(stats), dq, dk, dv, delta)))
-
-
-def first_order_reference(inputs, *, causal, scale, key_mask=None):
-    """The same six outputs from the float64 oracle."""
-    q, k, v, do = (inputs[name].double() for name in ("q", "k", "v", "do"))
-    flags = dict(causal=causal, scale=scale, key_mask=key_mask)
-    o = reference.attention(q, k, v, **flags)
-    dq, dk, dv = reference.attention_backward(q, k, v, do, **flags)
-    return dict(zip(FORWARD + BACKWARD, (o, reference.log_sum_exp(q, k, **flags), dq, dk, dv, (do * o).sum(-1))))
+TMA_KERNELS = tuple(kernel for kernel in configs.KERNELS if "tma" in configs.VARIANTS[kernel])
 
 
 def tma_runs(inputs) -> bool:
-    """Whether the "tma" variant runs (rather than falls back) for these inputs, in all three kernels."""
-    q, k, v, do = (inputs[name] for name in ("q", "k", "v", "do"))
+    """Whether the "tma" variant runs (rather than falls back) for these inputs, in every kernel that has it."""
     config = configs.BlockConfig(16, 16, 4, 1, "tma")
-    return all(configs.variant_for(kernel, config, (q, k, v, do)) == "tma" for kernel in ("forward", "dq", "dkdv"))
+    return all(configs.variant_for(kernel, config, tuple(inputs.values())) == "tma" for kernel in TMA_KERNELS)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -279,16 +266,16 @@ def tma_runs(inputs) -> bool:
                                          ((1, 2, 1, 40, 40, 32), (32, 16))],
                          ids=["N17M33", "gqa-N45M17-d40", "N40-rect"])
 def test_tma_variant_matches_reference(gen, shape, tiles, causal):
-    """The opt-in "tma" variant of forward, dQ and dK/dV (tiles through tensor descriptors, whole key blocks
-    unmasked) against the float64 oracle: odd N != M, GQA, padded head_dim, rectangular tiles. The
-    interpreter emulates tensor descriptors, so the variant itself runs here, not its fallback."""
+    """The opt-in "tma" variant of forward, dQ, dK/dV and BoB's four sweeps (tiles through tensor descriptors,
+    whole key blocks of the row kernels unmasked) against the float64 oracle: odd N != M, GQA, padded head_dim,
+    rectangular tiles. The interpreter emulates tensor descriptors, so the variant itself runs here, not its
+    fallback."""
     inputs = make_inputs(gen, shape, EXACT)
     assert tma_runs(inputs), "the variant would fall back: this test would not test it"
     scale = shape[-1] ** -0.5
     with configs.override(block_m=tiles[0], block_n=tiles[1], variant="tma"):
-        outputs = first_order(inputs, causal=causal, scale=scale)
-    refs = first_order_reference(inputs, causal=causal, scale=scale)
-    assert {"o", "dq", "dk", "dv"} <= set(assert_terms_match(outputs, refs, TOLERANCE[EXACT]))
+        outputs = run_kernels(inputs, COTANGENTS, causal=causal, scale=scale)
+    assert_matches_reference(outputs, inputs, COTANGENTS, causal=causal, scale=scale, tolerance=TOLERANCE[EXACT])
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -301,10 +288,21 @@ def test_tma_variant_with_key_mask(gen, causal):
     key_mask[1, :5] = False
     key_mask = key_mask.to(DEVICE)
     with configs.override(block_m=16, block_n=16, variant="tma"):
-        outputs = first_order(inputs, causal=causal, scale=0.25, key_mask=key_mask)
-    refs = first_order_reference(inputs, causal=causal, scale=0.25, key_mask=key_mask)
-    for name in ("o", "dq", "dk", "dv"):
-        assert relative_error(outputs[name], refs[name]) < TOLERANCE[EXACT], name
+        outputs = run_kernels(inputs, COTANGENTS, causal=causal, scale=0.25, key_mask=key_mask)
+    refs = run_reference(inputs, COTANGENTS, causal=causal, scale=0.25, key_mask=key_mask)
+    refs.pop("lse")  # +inf in the rows that see no key
+    assert_terms_match(outputs, refs, TOLERANCE[EXACT])
+    if causal:
+        assert not outputs["q_bar"][1, :, :5].any() and not outputs["do_bar"][1, :, :5].any()
+
+
+@pytest.mark.parametrize("cotangents", [("dq_bar",), ("dk_bar",), ("dv_bar",)], ids="+".join)
+def test_tma_variant_bob_cotangent_subsets(gen, cotangents):
+    """BoB's "tma" variant with one cotangent: the absent ones' descriptors and terms are compiled out."""
+    inputs = make_inputs(gen, (1, 4, 2, 33, 21, 32), EXACT)
+    with configs.override(block_m=16, block_n=16, variant="tma"):
+        outputs = run_kernels(inputs, cotangents, causal=True, scale=0.3)
+    assert_matches_reference(outputs, inputs, cotangents, causal=True, scale=0.3, tolerance=TOLERANCE[EXACT])
 
 
 def test_tma_variant_falls_back_to_the_base_code(gen, monkeypatch):
@@ -319,8 +317,8 @@ def test_tma_variant_falls_back_to_the_base_code(gen, monkeypatch):
     operands = tuple(aligned[name] for name in ("q", "k", "v", "do"))
     shifted = torch.empty(aligned["q"].numel() + 1, dtype=EXACT, device=DEVICE)[1:].view_as(aligned["q"])
     assert configs.variant_for("dq", config, operands) == "tma"
-    assert configs.variant_for("dq", config, (shifted, *operands[1:])) == "base"
-    assert configs.variant_for("bob_cols", config, operands) == "base"
+    assert configs.variant_for("bob_cols", config, (shifted, *operands[1:])) == "base"
+    assert configs.variant_for("delta", config, operands) == "base"
     if DEVICE == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         assert configs.variant_for("forward", config, operands) == "base"
@@ -329,8 +327,8 @@ def test_tma_variant_falls_back_to_the_base_code(gen, monkeypatch):
     inputs = {name: x[..., :20] for name, x in padded.items()}
     assert not tma_runs(inputs)
     with configs.override(block_m=16, block_n=16, variant="tma"):
-        outputs = first_order(inputs, causal=True, scale=0.3)
-    assert_terms_match(outputs, first_order_reference(inputs, causal=True, scale=0.3), TOLERANCE[EXACT])
+        outputs = run_kernels(inputs, COTANGENTS, causal=True, scale=0.3)
+    assert_matches_reference(outputs, inputs, COTANGENTS, causal=True, scale=0.3, tolerance=TOLERANCE[EXACT])
 
 
 def test_variants_are_opt_in():

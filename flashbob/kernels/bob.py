@@ -28,6 +28,7 @@ def _bob_tile(
     q, k, v, do, u_bar, w_bar, z_bar, row_max, log_sum, delta, rows, keys, M, qk_scale, scale, key_mask_base,
     TRANSPOSED: tl.constexpr, MASK_CAUSAL: tl.constexpr, WITH_DO: tl.constexpr, HAS_DQ_BAR: tl.constexpr,
     HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    WHOLE_BLOCK: tl.constexpr = False,
 ):
     r"""The tiles every sweep recomputes, for query rows ``rows`` and keys ``keys``:
 
@@ -38,14 +39,16 @@ def _bob_tile(
     queries by keys, or keys by queries when ``TRANSPOSED`` (the column sweep). A tile that is zero
     (:math:`\bar A` without :math:`\bar U, \bar W`; :math:`\bar B` without :math:`\bar Z`) or not wanted
     (those with dO without ``WITH_DO``: the dŌ sweep needs neither dP nor :math:`\bar B`) is not formed:
-    P stands in for it, and the caller never reads it.
+    P stands in for it, and the caller never reads it. ``WHOLE_BLOCK`` (row sweeps):
+    :func:`~flashbob.kernels.common.mask_scores`.
     """
     if TRANSPOSED:
         p = common.probabilities_transposed(k, q, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
                                             MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
     else:
         p = common.probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
-                                 MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
+                                 MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK,
+                                 WHOLE_BLOCK=WHOLE_BLOCK)
     dp, dp_centered, a_bar, b_bar = p, p, p, p
     if WITH_DO:
         dp = common.tile_product(do, v, TRANSPOSED=TRANSPOSED, PRECISION=PRECISION)
@@ -129,25 +132,28 @@ def _do_bar_step(
 
 @triton.jit
 def _rows_inner(
-    acc, a, c, q, do, u_bar, row_max, log_sum, delta, k_base, v_base, w_bar_base, z_bar_base,
+    acc, a, c, q, do, u_bar, row_max, log_sum, delta, k_src, v_src, w_bar_src, z_bar_src,
     stride_kn, stride_vn, stride_wn, stride_zn, rows, start, end, M, qk_scale, scale, key_mask_base,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr,
     HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr, SWEEP: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, SWEEP: tl.constexpr, TMA: tl.constexpr, WHOLE_BLOCK: tl.constexpr,
 ):
     r"""Add key blocks ``[start, end)`` to a query block's row sweep ``SWEEP``: the scalars ``a, c``
     (:func:`_scalars_step`), or :math:`\bar Q / \tau` (:func:`_q_bar_step`) or :math:`d\bar O`
-    (:func:`_do_bar_step`) in ``acc``; what a sweep does not add to passes through unchanged."""
+    (:func:`_do_bar_step`) in ``acc``; what a sweep does not add to passes through unchanged. The key-side
+    tiles come through their sources (:func:`~flashbob.kernels.common.tile_sources`); ``WHOLE_BLOCK``:
+    :func:`~flashbob.kernels.common.mask_scores`."""
     has_a_bar: tl.constexpr = HAS_DQ_BAR or HAS_DK_BAR
     for start_n in range(start, end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
-        k, v, w_bar, z_bar = common.load_tile_group(k_base, v_base, w_bar_base, z_bar_base, stride_kn, stride_vn,
-                                                    stride_wn, stride_zn, keys, M, HEAD_DIM, BLOCK_D, HAS_DK_BAR,
-                                                    HAS_DV_BAR)
+        k, v, w_bar, z_bar = common.load_tile_group(k_src, v_src, w_bar_src, z_bar_src, start_n, keys, M, stride_kn,
+                                                    stride_vn, stride_wn, stride_zn, HEAD_DIM, BLOCK_D, HAS_DK_BAR,
+                                                    HAS_DV_BAR, TMA)
         p, dp, dp_centered, a_bar, b_bar = _bob_tile(
             q, k, v, do, u_bar, w_bar, z_bar, row_max, log_sum, delta, rows, keys, M, qk_scale, scale, key_mask_base,
             TRANSPOSED=False, MASK_CAUSAL=MASK_CAUSAL, WITH_DO=SWEEP != "bob_do_bar", HAS_DQ_BAR=HAS_DQ_BAR,
             HAS_DK_BAR=HAS_DK_BAR, HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK,
+            WHOLE_BLOCK=WHOLE_BLOCK,
         )
         if SWEEP == "bob_scalars":
             a, c = _scalars_step(a, c, p, dp_centered, a_bar, b_bar, HAS_A_BAR=has_a_bar, HAS_DV_BAR=HAS_DV_BAR)
@@ -171,7 +177,7 @@ def _bob_rows_kernel(
     SWEEP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r"""One query block of the row sweep ``SWEEP`` (:func:`_rows_inner`), key blocks split as in the
     forward (causal: the diagonal blocks masked, those right of it skipped):
@@ -180,19 +186,27 @@ def _bob_rows_kernel(
     * ``"bob_q_bar"`` reads A and C and stores :math:`\bar Q` into ``OUT``;
     * ``"bob_do_bar"`` reads A and stores :math:`d\bar O` into ``OUT``.
 
-    Absent cotangents' pointers are never read.
+    Absent cotangents' pointers are never read. ``TMA`` (the ``"tma"`` variant): tiles through tensor
+    descriptors, and the whole key blocks left of the diagonal in a loop of their own without the key-range and
+    causal masks (:func:`~flashbob.kernels.common.whole_block_end`).
     """
     start_m, rows, batch_head, batch, head, kv_head, key_mask_base = common.query_block(heads, group, KEY_MASK, M, BLOCK_M)
     k_base, v_base, w_bar_base, z_bar_base = common.head_pointers(K, V, W_BAR, Z_BAR, batch, kv_head, stride_kb,
                                                                   stride_kh, stride_vb, stride_vh, stride_wb, stride_wh,
                                                                   stride_zb, stride_zh)
-
-    q = common.load_tile(common.head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM,
-                         BLOCK_D)
-    do = common.load_tile(common.head_pointer(DO, batch, head, stride_dob, stride_doh), rows, N, stride_don, HEAD_DIM,
-                          BLOCK_D)
-    u_bar = common.optional_tile(common.head_pointer(U_BAR, batch, head, stride_ub, stride_uh), rows, N, stride_un, q,
-                                 HEAD_DIM, BLOCK_D, PRESENT=HAS_DQ_BAR)
+    k_src, v_src, w_bar_src, z_bar_src = common.tile_sources(k_base, v_base, w_bar_base, z_bar_base, M, stride_kn,
+                                                             stride_vn, stride_wn, stride_zn, HEAD_DIM, BLOCK_N,
+                                                             BLOCK_D, HAS_DK_BAR, HAS_DV_BAR, TMA)
+    q_src = common.tile_source(common.head_pointer(Q, batch, head, stride_qb, stride_qh), N, stride_qn, HEAD_DIM,
+                               BLOCK_M, BLOCK_D, TMA)
+    do_src = common.tile_source(common.head_pointer(DO, batch, head, stride_dob, stride_doh), N, stride_don, HEAD_DIM,
+                                BLOCK_M, BLOCK_D, TMA)
+    u_bar_src = common.tile_source(common.head_pointer(U_BAR, batch, head, stride_ub, stride_uh), N, stride_un,
+                                   HEAD_DIM, BLOCK_M, BLOCK_D, TMA and HAS_DQ_BAR)
+    q = common.load_block(q_src, start_m, rows, N, stride_qn, HEAD_DIM, BLOCK_D, TMA)
+    do = common.load_block(do_src, start_m, rows, N, stride_don, HEAD_DIM, BLOCK_D, TMA)
+    u_bar = common.optional_block(u_bar_src, start_m, rows, N, stride_un, q, HEAD_DIM, BLOCK_D, PRESENT=HAS_DQ_BAR,
+                                  TMA=TMA)
     row_max, log_sum = common.load_softmax_stats(common.softmax_stats_pointer(STATS, batch_head, N), rows, N)
     delta = common.load_rows(common.row_vector_pointer(DELTA, batch_head, N), rows, N)
     acc_dtype = DELTA.dtype.element_ty
@@ -205,16 +219,23 @@ def _bob_rows_kernel(
         a = common.load_rows(common.row_vector_pointer(A, batch_head, N), rows, N)
         c = common.load_rows(common.row_vector_pointer(C, batch_head, N), rows, N)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)  # untouched (and not kept) in the scalar sweep
+    whole_end = common.whole_block_end(unmasked_end, BLOCK_N, TMA)
+    if TMA:
+        acc, a, c = _rows_inner(
+            acc, a, c, q, do, u_bar, row_max, log_sum, delta, k_src, v_src, w_bar_src, z_bar_src, stride_kn,
+            stride_vn, stride_wn, stride_zn, rows, 0, whole_end, M, qk_scale, scale, key_mask_base, HEAD_DIM, BLOCK_D,
+            BLOCK_N, False, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, HAS_KEY_MASK, SWEEP, TMA, True,
+        )
     acc, a, c = _rows_inner(
-        acc, a, c, q, do, u_bar, row_max, log_sum, delta, k_base, v_base, w_bar_base, z_bar_base, stride_kn, stride_vn,
-        stride_wn, stride_zn, rows, 0, unmasked_end, M, qk_scale, scale, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N,
-        False, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, HAS_KEY_MASK, SWEEP,
+        acc, a, c, q, do, u_bar, row_max, log_sum, delta, k_src, v_src, w_bar_src, z_bar_src, stride_kn, stride_vn,
+        stride_wn, stride_zn, rows, whole_end, unmasked_end, M, qk_scale, scale, key_mask_base, HEAD_DIM, BLOCK_D,
+        BLOCK_N, False, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, HAS_KEY_MASK, SWEEP, TMA, False,
     )
     if CAUSAL:
         acc, a, c = _rows_inner(
-            acc, a, c, q, do, u_bar, row_max, log_sum, delta, k_base, v_base, w_bar_base, z_bar_base, stride_kn,
+            acc, a, c, q, do, u_bar, row_max, log_sum, delta, k_src, v_src, w_bar_src, z_bar_src, stride_kn,
             stride_vn, stride_wn, stride_zn, rows, unmasked_end, end, M, qk_scale, scale, key_mask_base, HEAD_DIM,
-            BLOCK_D, BLOCK_N, True, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, HAS_KEY_MASK, SWEEP,
+            BLOCK_D, BLOCK_N, True, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, HAS_KEY_MASK, SWEEP, TMA, False,
         )
 
     if SWEEP == "bob_scalars":
@@ -224,8 +245,9 @@ def _bob_rows_kernel(
     else:
         if SWEEP == "bob_q_bar":
             acc = acc * scale
-        common.store_tile(common.head_pointer(OUT, batch, head, stride_outb, stride_outh), acc, rows, N, stride_outn,
-                          HEAD_DIM, BLOCK_D)
+        out_src = common.tile_source(common.head_pointer(OUT, batch, head, stride_outb, stride_outh), N, stride_outn,
+                                     HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+        common.store_block(out_src, acc, start_m, rows, N, stride_outn, HEAD_DIM, BLOCK_D, TMA)
 
 
 # ----------------------------------------------------------------------------- column sweep
@@ -234,11 +256,11 @@ def _bob_rows_kernel(
 @triton.jit
 def _columns_inner(
     k_bar, v_bar, k, v, w_bar, z_bar,
-    q_base, do_base, u_bar_base, stats_base, delta_base, a_base, c_base, stride_qn, stride_don, stride_un,
+    q_src, do_src, u_bar_src, stats_base, delta_base, a_base, c_base, stride_qn, stride_don, stride_un,
     keys, start, end, N, qk_scale, scale, key_mask_base, M,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASK_CAUSAL: tl.constexpr,
     HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r"""Sweep ``bob_cols``: add query rows ``[start, end)`` of one query head to a key block's
 
@@ -247,13 +269,15 @@ def _columns_inner(
         \bar V_j \mathrel{+}= \sum_i G_{dP,ij}\, dO_i
 
     with :math:`G_S`, :math:`G_{dP}` as in the row sweeps and :math:`A, C` from ``bob_scalars``; tiles
-    are kept transposed (keys by queries).
+    are kept transposed (keys by queries). ``q_src``, ``do_src``, ``u_bar_src``:
+    :func:`~flashbob.kernels.common.tile_source`.
     """
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
-        q = common.load_tile(q_base, rows, N, stride_qn, HEAD_DIM, BLOCK_D)
-        do = common.load_tile(do_base, rows, N, stride_don, HEAD_DIM, BLOCK_D)
-        u_bar = common.optional_tile(u_bar_base, rows, N, stride_un, q, HEAD_DIM, BLOCK_D, PRESENT=HAS_DQ_BAR)
+        q = common.load_block(q_src, start_m, rows, N, stride_qn, HEAD_DIM, BLOCK_D, TMA)
+        do = common.load_block(do_src, start_m, rows, N, stride_don, HEAD_DIM, BLOCK_D, TMA)
+        u_bar = common.optional_block(u_bar_src, start_m, rows, N, stride_un, q, HEAD_DIM, BLOCK_D, PRESENT=HAS_DQ_BAR,
+                                      TMA=TMA)
         row_max, log_sum = common.load_softmax_stats(stats_base, rows, N)
         delta = common.load_rows(delta_base, rows, N)
         c = common.load_rows(c_base, rows, N)
@@ -286,11 +310,12 @@ def _bob_columns_kernel(
     STATS, DELTA, A, C, KEY_MASK, heads, kv_heads, group, N, M, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r"""Sweep ``bob_cols`` for one key block of one kv head: :math:`\bar K = \tau (G_S^\top Q + dS^\top \bar U)`
     and :math:`\bar V = G_{dP}^\top dO`, summed over the ``group`` query heads sharing it
-    (:func:`_columns_inner`); the causal split of the query rows is the one of the dK/dV kernel."""
+    (:func:`_columns_inner`); the causal split of the query rows is the one of the dK/dV kernel. ``TMA`` (the
+    ``"tma"`` variant): tiles through tensor descriptors."""
     start_n, keys, batch, kv_head, key_mask_base = common.key_block(kv_heads, KEY_MASK, M, BLOCK_N)
     acc_dtype = DELTA.dtype.element_ty
     k_bar = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
@@ -298,8 +323,12 @@ def _bob_columns_kernel(
     k_base, v_base, w_bar_base, z_bar_base = common.head_pointers(K, V, W_BAR, Z_BAR, batch, kv_head, stride_kb,
                                                                   stride_kh, stride_vb, stride_vh, stride_wb, stride_wh,
                                                                   stride_zb, stride_zh)
-    k, v, w_bar, z_bar = common.load_tile_group(k_base, v_base, w_bar_base, z_bar_base, stride_kn, stride_vn, stride_wn,
-                                                stride_zn, keys, M, HEAD_DIM, BLOCK_D, HAS_DK_BAR, HAS_DV_BAR)
+    k_src, v_src, w_bar_src, z_bar_src = common.tile_sources(k_base, v_base, w_bar_base, z_bar_base, M, stride_kn,
+                                                             stride_vn, stride_wn, stride_zn, HEAD_DIM, BLOCK_N,
+                                                             BLOCK_D, HAS_DK_BAR, HAS_DV_BAR, TMA)
+    k, v, w_bar, z_bar = common.load_tile_group(k_src, v_src, w_bar_src, z_bar_src, start_n, keys, M, stride_kn,
+                                                stride_vn, stride_wn, stride_zn, HEAD_DIM, BLOCK_D, HAS_DK_BAR,
+                                                HAS_DV_BAR, TMA)
 
     masked_end = common.column_block_masked_end(start_n, N, BLOCK_M, BLOCK_N, CAUSAL)
     for member in range(group):
@@ -307,25 +336,30 @@ def _bob_columns_kernel(
             Q, DO, STATS, DELTA, batch, heads, kv_head, group, member, N, stride_qb, stride_qh, stride_dob, stride_doh)
         a_base = common.row_vector_pointer(A, batch_head, N)
         c_base = common.row_vector_pointer(C, batch_head, N)
-        u_bar_base = common.head_pointer(U_BAR, batch, head, stride_ub, stride_uh)
+        q_src = common.tile_source(q_base, N, stride_qn, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+        do_src = common.tile_source(do_base, N, stride_don, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+        u_bar_src = common.tile_source(common.head_pointer(U_BAR, batch, head, stride_ub, stride_uh), N, stride_un,
+                                       HEAD_DIM, BLOCK_M, BLOCK_D, TMA and HAS_DQ_BAR)
         if CAUSAL:
             k_bar, v_bar = _columns_inner(
-                k_bar, v_bar, k, v, w_bar, z_bar, q_base, do_base, u_bar_base, stats_base, delta_base, a_base,
+                k_bar, v_bar, k, v, w_bar, z_bar, q_src, do_src, u_bar_src, stats_base, delta_base, a_base,
                 c_base, stride_qn, stride_don, stride_un, keys, start_n, masked_end, N, qk_scale, scale,
                 key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, MASK_CAUSAL=True, HAS_DQ_BAR=HAS_DQ_BAR,
-                HAS_DK_BAR=HAS_DK_BAR, HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK,
+                HAS_DK_BAR=HAS_DK_BAR, HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK, TMA=TMA,
             )
         k_bar, v_bar = _columns_inner(
-            k_bar, v_bar, k, v, w_bar, z_bar, q_base, do_base, u_bar_base, stats_base, delta_base, a_base,
+            k_bar, v_bar, k, v, w_bar, z_bar, q_src, do_src, u_bar_src, stats_base, delta_base, a_base,
             c_base, stride_qn, stride_don, stride_un, keys, masked_end, N, N, qk_scale, scale,
             key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, MASK_CAUSAL=False, HAS_DQ_BAR=HAS_DQ_BAR,
-            HAS_DK_BAR=HAS_DK_BAR, HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK,
+            HAS_DK_BAR=HAS_DK_BAR, HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK, TMA=TMA,
         )
 
-    k_bar_base = common.head_pointer(K_BAR, batch, kv_head, stride_kbb, stride_kbh)
-    common.store_tile(k_bar_base, k_bar * scale, keys, M, stride_kbn, HEAD_DIM, BLOCK_D)
-    v_bar_base = common.head_pointer(V_BAR, batch, kv_head, stride_vbb, stride_vbh)
-    common.store_tile(v_bar_base, v_bar, keys, M, stride_vbn, HEAD_DIM, BLOCK_D)
+    k_bar_src = common.tile_source(common.head_pointer(K_BAR, batch, kv_head, stride_kbb, stride_kbh), M, stride_kbn,
+                                   HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    common.store_block(k_bar_src, k_bar * scale, start_n, keys, M, stride_kbn, HEAD_DIM, BLOCK_D, TMA)
+    v_bar_src = common.tile_source(common.head_pointer(V_BAR, batch, kv_head, stride_vbb, stride_vbh), M, stride_vbn,
+                                   HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    common.store_block(v_bar_src, v_bar, start_n, keys, M, stride_vbn, HEAD_DIM, BLOCK_D, TMA)
 
 
 # ----------------------------------------------------------------------------- host wrapper
@@ -385,7 +419,8 @@ def bob(
         configs.launch(
             sweep, _bob_rows_kernel, common.row_grid(n, batch * heads),
             *common.with_strides(q, k, v, do, u_bar, w_bar, z_bar, out), stats, delta, a, c, key_mask, heads, *scalars,
-            head_dim=head_dim, dtype=q.dtype, length=n, **constants, SWEEP=sweep,
+            head_dim=head_dim, dtype=q.dtype, length=n, descriptors=(q, k, v, do, u_bar, w_bar, z_bar, out),
+            **constants, SWEEP=sweep,
         )
 
     row_sweep("bob_scalars", out=q_bar)  # A and C (q_bar is not written)
@@ -394,6 +429,7 @@ def bob(
     configs.launch(  # K-bar and V-bar, from A and C
         "bob_cols", _bob_columns_kernel, common.column_grid(m, batch * kv_heads),
         *common.with_strides(q, k, v, do, u_bar, w_bar, z_bar, k_bar, v_bar), stats, delta, a, c, key_mask, heads,
-        kv_heads, *scalars, head_dim=head_dim, dtype=q.dtype, length=m, **constants,
+        kv_heads, *scalars, head_dim=head_dim, dtype=q.dtype, length=m,
+        descriptors=(q, k, v, do, u_bar, w_bar, z_bar, k_bar, v_bar), **constants,
     )
     return q_bar, k_bar, v_bar, do_bar

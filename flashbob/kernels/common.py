@@ -276,29 +276,44 @@ def probabilities_transposed(
 
 
 @triton.jit
-def optional_tile(X, rows, n_rows, stride_row, placeholder, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  PRESENT: tl.constexpr):
-    """:func:`load_tile` of an operand that may be absent (a cotangent or tangent that is zero);
+def optional_block(source, start, rows, n_rows, stride_row, placeholder, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, PRESENT: tl.constexpr, TMA: tl.constexpr):
+    """:func:`load_block` of an operand that may be absent (a cotangent or tangent that is zero);
     ``placeholder``, which the caller never reads, when it is."""
     if PRESENT:
-        tile = load_tile(X, rows, n_rows, stride_row, HEAD_DIM, BLOCK_D)
+        tile = load_block(source, start, rows, n_rows, stride_row, HEAD_DIM, BLOCK_D, TMA)
     else:
         tile = placeholder
     return tile
 
 
 @triton.jit
-def load_tile_group(
-    x_base, y_base, dx_base, dy_base, stride_x, stride_y, stride_dx, stride_dy, rows, n_rows,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DX: tl.constexpr, HAS_DY: tl.constexpr,
+def tile_sources(
+    x_base, y_base, dx_base, dy_base, n_rows, stride_x, stride_y, stride_dx, stride_dy, HEAD_DIM: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DX: tl.constexpr, HAS_DY: tl.constexpr, TMA: tl.constexpr,
 ):
-    r"""Rows ``rows`` of two operands ``x``, ``y`` and of their optional directions ``dx``, ``dy``
+    """:func:`tile_source` of the four matrices of :func:`head_pointers`, all ``(n_rows, HEAD_DIM)``; an absent
+    direction's source is its pointer, which is never read."""
+    x_src = tile_source(x_base, n_rows, stride_x, HEAD_DIM, BLOCK_ROWS, BLOCK_D, TMA)
+    y_src = tile_source(y_base, n_rows, stride_y, HEAD_DIM, BLOCK_ROWS, BLOCK_D, TMA)
+    dx_src = tile_source(dx_base, n_rows, stride_dx, HEAD_DIM, BLOCK_ROWS, BLOCK_D, TMA and HAS_DX)
+    dy_src = tile_source(dy_base, n_rows, stride_dy, HEAD_DIM, BLOCK_ROWS, BLOCK_D, TMA and HAS_DY)
+    return x_src, y_src, dx_src, dy_src
+
+
+@triton.jit
+def load_tile_group(
+    x_src, y_src, dx_src, dy_src, start, rows, n_rows, stride_x, stride_y, stride_dx, stride_dy,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DX: tl.constexpr, HAS_DY: tl.constexpr, TMA: tl.constexpr,
+):
+    r"""Rows ``rows = start + arange`` of two operands ``x``, ``y`` and of their optional directions ``dx``, ``dy``
     (cotangents or tangents: e.g. :math:`K, V, \bar W, \bar Z` or :math:`Q, dO, \dot Q, d\dot O`), in that
-    order; ``x`` and ``y`` stand in for an absent ``dx`` and ``dy`` (:func:`optional_tile`)."""
-    x = load_tile(x_base, rows, n_rows, stride_x, HEAD_DIM, BLOCK_D)
-    y = load_tile(y_base, rows, n_rows, stride_y, HEAD_DIM, BLOCK_D)
-    dx = optional_tile(dx_base, rows, n_rows, stride_dx, x, HEAD_DIM, BLOCK_D, PRESENT=HAS_DX)
-    dy = optional_tile(dy_base, rows, n_rows, stride_dy, y, HEAD_DIM, BLOCK_D, PRESENT=HAS_DY)
+    order, through their sources (:func:`tile_sources`); ``x`` and ``y`` stand in for an absent ``dx`` and
+    ``dy`` (:func:`optional_block`)."""
+    x = load_block(x_src, start, rows, n_rows, stride_x, HEAD_DIM, BLOCK_D, TMA)
+    y = load_block(y_src, start, rows, n_rows, stride_y, HEAD_DIM, BLOCK_D, TMA)
+    dx = optional_block(dx_src, start, rows, n_rows, stride_dx, x, HEAD_DIM, BLOCK_D, PRESENT=HAS_DX, TMA=TMA)
+    dy = optional_block(dy_src, start, rows, n_rows, stride_dy, y, HEAD_DIM, BLOCK_D, PRESENT=HAS_DY, TMA=TMA)
     return x, y, dx, dy
 
 

@@ -30,14 +30,16 @@ from . import common, configs
 
 @triton.jit
 def _p_s_dot(
-    p, q, q_dot, k, v_base, k_dot_base, stride_vn, stride_kdn, keys, M, scale,
+    p, q, q_dot, k, v_src, k_dot_src, stride_vn, stride_kdn, start_n, keys, M, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
-    r"""The V tile of keys ``keys`` and :math:`P \circ \dot S` with :math:`\dot S = \tau(\dot Q K^\top + Q \dot K^\top)`
-    (queries by keys; at least one of :math:`\dot Q, \dot K` present)."""
-    v = common.load_tile(v_base, keys, M, stride_vn, HEAD_DIM, BLOCK_D)
-    k_dot = common.optional_tile(k_dot_base, keys, M, stride_kdn, k, HEAD_DIM, BLOCK_D, PRESENT=HAS_K_DOT)
+    r"""The V tile of keys ``keys = start_n + arange`` and :math:`P \circ \dot S` with
+    :math:`\dot S = \tau(\dot Q K^\top + Q \dot K^\top)` (queries by keys; at least one of :math:`\dot Q, \dot K`
+    present; ``v_src``, ``k_dot_src``: :func:`~flashbob.kernels.common.tile_source`)."""
+    v = common.load_block(v_src, start_n, keys, M, stride_vn, HEAD_DIM, BLOCK_D, TMA)
+    k_dot = common.optional_block(k_dot_src, start_n, keys, M, stride_kdn, k, HEAD_DIM, BLOCK_D, PRESENT=HAS_K_DOT,
+                                  TMA=TMA)
     s_dot = scale * common.bilinear_tile(q, q_dot, k, k_dot, HAS_DX=HAS_Q_DOT, HAS_DY=HAS_K_DOT, TRANSPOSED=False,
                                          PRECISION=PRECISION)
     return v, p * s_dot
@@ -48,11 +50,11 @@ def _p_s_dot(
 
 @triton.jit
 def _o_dot_inner(
-    acc, r_rounded, q, q_dot, row_max, log_sum, k_base, v_base, k_dot_base, v_dot_base,
+    acc, r_rounded, q, q_dot, row_max, log_sum, k_src, v_src, k_dot_src, v_dot_src,
     stride_kn, stride_vn, stride_kdn, stride_vdn, rows, start, end, M, qk_scale, scale, key_mask_base,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr,
     HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr, WHOLE_BLOCK: tl.constexpr,
 ):
     r"""Add key blocks ``[start, end)`` to a query block's
     :math:`\mathrm{acc}_i \mathrel{+}= \sum_j \tilde X_{ij} V_j + P_{ij} \dot V_j` and
@@ -63,21 +65,24 @@ def _o_dot_inner(
     The caller subtracts ``r_rounded`` times O: :math:`\sum_j \tilde X_{ij} (V_j - O_i)` cancels exactly
     where it should (a row with one visible key has :math:`\dot O = \dot V_j`, and its term
     :math:`\tilde X (V_j - O_i)` is 0 in any dtype), where :math:`\dot r_i O_i` would leave the rounding
-    of :math:`\tilde X`.
+    of :math:`\tilde X`. Key-side tiles through their sources (:func:`~flashbob.kernels.common.tile_sources`);
+    ``WHOLE_BLOCK``: :func:`~flashbob.kernels.common.mask_scores`.
     """
     for start_n in range(start, end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
-        k = common.load_tile(k_base, keys, M, stride_kn, HEAD_DIM, BLOCK_D)
+        k = common.load_block(k_src, start_n, keys, M, stride_kn, HEAD_DIM, BLOCK_D, TMA)
         p = common.probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
-                                 MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
+                                 MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK,
+                                 WHOLE_BLOCK=WHOLE_BLOCK)
         if HAS_Q_DOT or HAS_K_DOT:
-            v, p_s_dot = _p_s_dot(p, q, q_dot, k, v_base, k_dot_base, stride_vn, stride_kdn, keys, M, scale, HEAD_DIM,
-                                  BLOCK_D, HAS_Q_DOT=HAS_Q_DOT, HAS_K_DOT=HAS_K_DOT, PRECISION=PRECISION)
+            v, p_s_dot = _p_s_dot(p, q, q_dot, k, v_src, k_dot_src, stride_vn, stride_kdn, start_n, keys, M, scale,
+                                  HEAD_DIM, BLOCK_D, HAS_Q_DOT=HAS_Q_DOT, HAS_K_DOT=HAS_K_DOT, PRECISION=PRECISION,
+                                  TMA=TMA)
             p_s_dot_rounded = p_s_dot.to(v.dtype)
             r_rounded += tl.sum(p_s_dot_rounded.to(r_rounded.dtype), 1)
             acc += tl.dot(p_s_dot_rounded, v, input_precision=PRECISION)
         if HAS_V_DOT:
-            v_dot = common.load_tile(v_dot_base, keys, M, stride_vdn, HEAD_DIM, BLOCK_D)
+            v_dot = common.load_block(v_dot_src, start_n, keys, M, stride_vdn, HEAD_DIM, BLOCK_D, TMA)
             acc += tl.dot(p.to(v_dot.dtype), v_dot, input_precision=PRECISION)
     return acc, r_rounded
 
@@ -93,16 +98,20 @@ def _o_dot_kernel(
     STATS, KEY_MASK, heads, group, N, M, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r"""One query block's :math:`\dot O = \mathrm{acc} - \tilde r \circ O` (:func:`_o_dot_inner`); key
-    blocks split as in the forward. Rows that see no key have P = 0 and O = 0, so :math:`\dot O = 0`."""
+    blocks split as in the forward. Rows that see no key have P = 0 and O = 0, so :math:`\dot O = 0`.
+    ``TMA`` (the ``"tma"`` variant): as in the forward."""
     start_m, rows, batch_head, batch, head, kv_head, key_mask_base = common.query_block(heads, group, KEY_MASK, M, BLOCK_M)
 
-    q = common.load_tile(common.head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM,
-                         BLOCK_D)
-    q_dot = common.optional_tile(common.head_pointer(Q_DOT, batch, head, stride_qdb, stride_qdh), rows, N, stride_qdn,
-                                 q, HEAD_DIM, BLOCK_D, PRESENT=HAS_Q_DOT)
+    q_src = common.tile_source(common.head_pointer(Q, batch, head, stride_qb, stride_qh), N, stride_qn, HEAD_DIM,
+                               BLOCK_M, BLOCK_D, TMA)
+    q_dot_src = common.tile_source(common.head_pointer(Q_DOT, batch, head, stride_qdb, stride_qdh), N, stride_qdn,
+                                   HEAD_DIM, BLOCK_M, BLOCK_D, TMA and HAS_Q_DOT)
+    q = common.load_block(q_src, start_m, rows, N, stride_qn, HEAD_DIM, BLOCK_D, TMA)
+    q_dot = common.optional_block(q_dot_src, start_m, rows, N, stride_qdn, q, HEAD_DIM, BLOCK_D, PRESENT=HAS_Q_DOT,
+                                  TMA=TMA)
     acc_dtype = STATS.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
     r_rounded = tl.zeros([BLOCK_M], dtype=acc_dtype)
@@ -110,23 +119,37 @@ def _o_dot_kernel(
     k_base, v_base, k_dot_base, v_dot_base = common.head_pointers(K, V, K_DOT, V_DOT, batch, kv_head, stride_kb,
                                                                   stride_kh, stride_vb, stride_vh, stride_kdb,
                                                                   stride_kdh, stride_vdb, stride_vdh)
+    k_src, v_src, k_dot_src, v_dot_src = common.tile_sources(k_base, v_base, k_dot_base, v_dot_base, M, stride_kn,
+                                                             stride_vn, stride_kdn, stride_vdn, HEAD_DIM, BLOCK_N,
+                                                             BLOCK_D, HAS_K_DOT, HAS_V_DOT, TMA)
     unmasked_end, end = common.row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
+    whole_end = common.whole_block_end(unmasked_end, BLOCK_N, TMA)
+    if TMA:
+        acc, r_rounded = _o_dot_inner(
+            acc, r_rounded, q, q_dot, row_max, log_sum, k_src, v_src, k_dot_src, v_dot_src,
+            stride_kn, stride_vn, stride_kdn, stride_vdn, rows, 0, whole_end, M, qk_scale, scale, key_mask_base,
+            HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, HAS_KEY_MASK, TMA, True,
+        )
     acc, r_rounded = _o_dot_inner(
-        acc, r_rounded, q, q_dot, row_max, log_sum, k_base, v_base, k_dot_base, v_dot_base,
-        stride_kn, stride_vn, stride_kdn, stride_vdn, rows, 0, unmasked_end, M, qk_scale, scale, key_mask_base,
-        HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, HAS_KEY_MASK,
+        acc, r_rounded, q, q_dot, row_max, log_sum, k_src, v_src, k_dot_src, v_dot_src,
+        stride_kn, stride_vn, stride_kdn, stride_vdn, rows, whole_end, unmasked_end, M, qk_scale, scale,
+        key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, HAS_KEY_MASK,
+        TMA, False,
     )
     if CAUSAL:
         acc, r_rounded = _o_dot_inner(
-            acc, r_rounded, q, q_dot, row_max, log_sum, k_base, v_base, k_dot_base, v_dot_base,
+            acc, r_rounded, q, q_dot, row_max, log_sum, k_src, v_src, k_dot_src, v_dot_src,
             stride_kn, stride_vn, stride_kdn, stride_vdn, rows, unmasked_end, end, M, qk_scale, scale,
             key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION,
-            HAS_KEY_MASK,
+            HAS_KEY_MASK, TMA, False,
         )
-    o = common.load_tile(common.head_pointer(O, batch, head, stride_ob, stride_oh), rows, N, stride_on, HEAD_DIM,
-                         BLOCK_D)
-    o_dot_base = common.head_pointer(O_DOT, batch, head, stride_odb, stride_odh)
-    common.store_tile(o_dot_base, acc - r_rounded[:, None] * o.to(acc_dtype), rows, N, stride_odn, HEAD_DIM, BLOCK_D)
+    o_src = common.tile_source(common.head_pointer(O, batch, head, stride_ob, stride_oh), N, stride_on, HEAD_DIM,
+                               BLOCK_M, BLOCK_D, TMA)
+    o_dot_src = common.tile_source(common.head_pointer(O_DOT, batch, head, stride_odb, stride_odh), N, stride_odn,
+                                   HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+    o = common.load_block(o_src, start_m, rows, N, stride_on, HEAD_DIM, BLOCK_D, TMA)
+    common.store_block(o_dot_src, acc - r_rounded[:, None] * o.to(acc_dtype), start_m, rows, N, stride_odn, HEAD_DIM,
+                       BLOCK_D, TMA)
 
 
 # ----------------------------------------------------------------------------- row sweep: r-dot, Delta-dot
@@ -134,28 +157,31 @@ def _o_dot_kernel(
 
 @triton.jit
 def _row_scalars_inner(
-    r_dot, delta_dot, q, q_dot, do, row_max, log_sum, delta, k_base, v_base, k_dot_base, v_dot_base,
+    r_dot, delta_dot, q, q_dot, do, row_max, log_sum, delta, k_src, v_src, k_dot_src, v_dot_src,
     stride_kn, stride_vn, stride_kdn, stride_vdn, rows, start, end, M, qk_scale, scale, key_mask_base,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr,
     HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr, WHOLE_BLOCK: tl.constexpr,
 ):
     r"""Add key blocks ``[start, end)`` to a query block's :math:`\dot r_i \mathrel{+}= \sum_j P_{ij} \dot S_{ij}`
     and ``delta_dot`` :math:`\mathrel{+}= \sum_j P_{ij} (\dot S_{ij} (dP_{ij} - \Delta_i) + (dO \dot V^\top)_{ij})`,
-    which is :math:`dO_i \cdot \dot O_i` (:math:`\sum_j P_{ij} (dP_{ij} - \Delta_i) = 0`), all in float32."""
+    which is :math:`dO_i \cdot \dot O_i` (:math:`\sum_j P_{ij} (dP_{ij} - \Delta_i) = 0`), all in float32.
+    Key-side tiles and ``WHOLE_BLOCK`` as in :func:`_o_dot_inner`."""
     for start_n in range(start, end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
-        k = common.load_tile(k_base, keys, M, stride_kn, HEAD_DIM, BLOCK_D)
+        k = common.load_block(k_src, start_n, keys, M, stride_kn, HEAD_DIM, BLOCK_D, TMA)
         p = common.probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
-                                 MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
+                                 MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK,
+                                 WHOLE_BLOCK=WHOLE_BLOCK)
         x = tl.zeros_like(p)
         if HAS_Q_DOT or HAS_K_DOT:
-            v, p_s_dot = _p_s_dot(p, q, q_dot, k, v_base, k_dot_base, stride_vn, stride_kdn, keys, M, scale, HEAD_DIM,
-                                  BLOCK_D, HAS_Q_DOT=HAS_Q_DOT, HAS_K_DOT=HAS_K_DOT, PRECISION=PRECISION)
+            v, p_s_dot = _p_s_dot(p, q, q_dot, k, v_src, k_dot_src, stride_vn, stride_kdn, start_n, keys, M, scale,
+                                  HEAD_DIM, BLOCK_D, HAS_Q_DOT=HAS_Q_DOT, HAS_K_DOT=HAS_K_DOT, PRECISION=PRECISION,
+                                  TMA=TMA)
             r_dot += tl.sum(p_s_dot, 1)
             x += p_s_dot * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
         if HAS_V_DOT:
-            v_dot = common.load_tile(v_dot_base, keys, M, stride_vdn, HEAD_DIM, BLOCK_D)
+            v_dot = common.load_block(v_dot_src, start_n, keys, M, stride_vdn, HEAD_DIM, BLOCK_D, TMA)
             x += p * tl.dot(do, tl.trans(v_dot), input_precision=PRECISION)
         delta_dot += tl.sum(x, 1)
     return r_dot, delta_dot
@@ -171,48 +197,65 @@ def _row_scalars_kernel(
     STATS, DELTA, R_DOT, DELTA_DOT, KEY_MASK, heads, group, N, M, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr,
-    HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r"""The backward's first sweep: one query block's row scalars :math:`\dot r` and
     :math:`\dot\Delta_i = d\dot O_i \cdot O_i + dO_i \cdot \dot O_i` (:func:`_row_scalars_inner`; no
     d-vector accumulator, :math:`\dot O` itself is never formed); key blocks split as in the forward, the
     sweep compiled out without :math:`\dot Q, \dot K, \dot V`. Rows that see no key have P = 0 and O = 0,
-    so both are 0."""
+    so both are 0. ``TMA`` (the ``"tma"`` variant): as in the forward."""
     start_m, rows, batch_head, batch, head, kv_head, key_mask_base = common.query_block(heads, group, KEY_MASK, M, BLOCK_M)
 
     acc_dtype = STATS.dtype.element_ty
     r_dot = tl.zeros([BLOCK_M], dtype=acc_dtype)
     delta_dot = tl.zeros([BLOCK_M], dtype=acc_dtype)
     if HAS_Q_DOT or HAS_K_DOT or HAS_V_DOT:
-        q = common.load_tile(common.head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM,
-                             BLOCK_D)
-        q_dot = common.optional_tile(common.head_pointer(Q_DOT, batch, head, stride_qdb, stride_qdh), rows, N,
-                                     stride_qdn, q, HEAD_DIM, BLOCK_D, PRESENT=HAS_Q_DOT)
-        do = common.load_tile(common.head_pointer(DO, batch, head, stride_dob, stride_doh), rows, N, stride_don,
-                              HEAD_DIM, BLOCK_D)
+        q_src = common.tile_source(common.head_pointer(Q, batch, head, stride_qb, stride_qh), N, stride_qn, HEAD_DIM,
+                                   BLOCK_M, BLOCK_D, TMA)
+        q_dot_src = common.tile_source(common.head_pointer(Q_DOT, batch, head, stride_qdb, stride_qdh), N, stride_qdn,
+                                       HEAD_DIM, BLOCK_M, BLOCK_D, TMA and HAS_Q_DOT)
+        do_src = common.tile_source(common.head_pointer(DO, batch, head, stride_dob, stride_doh), N, stride_don,
+                                    HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+        q = common.load_block(q_src, start_m, rows, N, stride_qn, HEAD_DIM, BLOCK_D, TMA)
+        q_dot = common.optional_block(q_dot_src, start_m, rows, N, stride_qdn, q, HEAD_DIM, BLOCK_D,
+                                      PRESENT=HAS_Q_DOT, TMA=TMA)
+        do = common.load_block(do_src, start_m, rows, N, stride_don, HEAD_DIM, BLOCK_D, TMA)
         row_max, log_sum = common.load_softmax_stats(common.softmax_stats_pointer(STATS, batch_head, N), rows, N)
         delta = common.load_rows(common.row_vector_pointer(DELTA, batch_head, N), rows, N)
         k_base, v_base, k_dot_base, v_dot_base = common.head_pointers(K, V, K_DOT, V_DOT, batch, kv_head, stride_kb,
                                                                       stride_kh, stride_vb, stride_vh, stride_kdb,
                                                                       stride_kdh, stride_vdb, stride_vdh)
+        k_src, v_src, k_dot_src, v_dot_src = common.tile_sources(k_base, v_base, k_dot_base, v_dot_base, M, stride_kn,
+                                                                 stride_vn, stride_kdn, stride_vdn, HEAD_DIM, BLOCK_N,
+                                                                 BLOCK_D, HAS_K_DOT, HAS_V_DOT, TMA)
         unmasked_end, end = common.row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
+        whole_end = common.whole_block_end(unmasked_end, BLOCK_N, TMA)
+        if TMA:
+            r_dot, delta_dot = _row_scalars_inner(
+                r_dot, delta_dot, q, q_dot, do, row_max, log_sum, delta, k_src, v_src, k_dot_src, v_dot_src,
+                stride_kn, stride_vn, stride_kdn, stride_vdn, rows, 0, whole_end, M, qk_scale, scale, key_mask_base,
+                HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, HAS_KEY_MASK, TMA, True,
+            )
         r_dot, delta_dot = _row_scalars_inner(
-            r_dot, delta_dot, q, q_dot, do, row_max, log_sum, delta, k_base, v_base, k_dot_base, v_dot_base,
-            stride_kn, stride_vn, stride_kdn, stride_vdn, rows, 0, unmasked_end, M, qk_scale, scale, key_mask_base,
-            HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, HAS_KEY_MASK,
+            r_dot, delta_dot, q, q_dot, do, row_max, log_sum, delta, k_src, v_src, k_dot_src, v_dot_src,
+            stride_kn, stride_vn, stride_kdn, stride_vdn, rows, whole_end, unmasked_end, M, qk_scale, scale,
+            key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION,
+            HAS_KEY_MASK, TMA, False,
         )
         if CAUSAL:
             r_dot, delta_dot = _row_scalars_inner(
-                r_dot, delta_dot, q, q_dot, do, row_max, log_sum, delta, k_base, v_base, k_dot_base, v_dot_base,
+                r_dot, delta_dot, q, q_dot, do, row_max, log_sum, delta, k_src, v_src, k_dot_src, v_dot_src,
                 stride_kn, stride_vn, stride_kdn, stride_vdn, rows, unmasked_end, end, M, qk_scale, scale,
                 key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION,
-                HAS_KEY_MASK,
+                HAS_KEY_MASK, TMA, False,
             )
     if HAS_DO_DOT:
-        o = common.load_tile(common.head_pointer(O, batch, head, stride_ob, stride_oh), rows, N, stride_on, HEAD_DIM,
-                             BLOCK_D)
-        do_dot = common.load_tile(common.head_pointer(DO_DOT, batch, head, stride_dodb, stride_dodh), rows, N,
-                                  stride_dodn, HEAD_DIM, BLOCK_D)
+        o_src = common.tile_source(common.head_pointer(O, batch, head, stride_ob, stride_oh), N, stride_on, HEAD_DIM,
+                                   BLOCK_M, BLOCK_D, TMA)
+        do_dot_src = common.tile_source(common.head_pointer(DO_DOT, batch, head, stride_dodb, stride_dodh), N,
+                                        stride_dodn, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+        o = common.load_block(o_src, start_m, rows, N, stride_on, HEAD_DIM, BLOCK_D, TMA)
+        do_dot = common.load_block(do_dot_src, start_m, rows, N, stride_dodn, HEAD_DIM, BLOCK_D, TMA)
         delta_dot += tl.sum(do_dot.to(acc_dtype) * o.to(acc_dtype), 1)
     common.store_rows(common.row_vector_pointer(R_DOT, batch_head, N), r_dot, rows, N)
     common.store_rows(common.row_vector_pointer(DELTA_DOT, batch_head, N), delta_dot, rows, N)
@@ -224,22 +267,24 @@ def _row_scalars_kernel(
 @triton.jit
 def _dq_dot_inner(
     dq_dot, q, q_dot, do, do_dot, row_max, log_sum, delta, r_dot, delta_dot,
-    k_base, v_base, k_dot_base, v_dot_base, stride_kn, stride_vn, stride_kdn, stride_vdn,
+    k_src, v_src, k_dot_src, v_dot_src, stride_kn, stride_vn, stride_kdn, stride_vdn,
     rows, start, end, M, qk_scale, scale, key_mask_base,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr,
     HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr, HAS_DO_DOT: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr, WHOLE_BLOCK: tl.constexpr,
 ):
     r"""Add key blocks ``[start, end)`` to a query block's
     :math:`d\dot Q_i / \tau \mathrel{+}= \sum_j d\dot S_{ij} K_j + dS_{ij} \dot K_j` with
-    :math:`d\dot S = P \circ ((\dot S - \dot r) \circ (dP - \Delta) + d\dot P - \dot\Delta)`."""
+    :math:`d\dot S = P \circ ((\dot S - \dot r) \circ (dP - \Delta) + d\dot P - \dot\Delta)`; key-side tiles
+    and ``WHOLE_BLOCK`` as in :func:`_o_dot_inner`."""
     for start_n in range(start, end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
-        k, v, k_dot, v_dot = common.load_tile_group(k_base, v_base, k_dot_base, v_dot_base, stride_kn, stride_vn,
-                                                    stride_kdn, stride_vdn, keys, M, HEAD_DIM, BLOCK_D, HAS_K_DOT,
-                                                    HAS_V_DOT)
+        k, v, k_dot, v_dot = common.load_tile_group(k_src, v_src, k_dot_src, v_dot_src, start_n, keys, M, stride_kn,
+                                                    stride_vn, stride_kdn, stride_vdn, HEAD_DIM, BLOCK_D, HAS_K_DOT,
+                                                    HAS_V_DOT, TMA)
         p = common.probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
-                                 MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
+                                 MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK,
+                                 WHOLE_BLOCK=WHOLE_BLOCK)
         dp_centered = tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None]
         g = tl.zeros_like(p) - delta_dot[:, None]
         if HAS_Q_DOT or HAS_K_DOT:
@@ -265,20 +310,21 @@ def _dq_dot_kernel(
     STATS, DELTA, R_DOT, DELTA_DOT, KEY_MASK, heads, group, N, M, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr,
-    HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r""":math:`d\dot Q = \tau (d\dot S K + dS \dot K)` of one query block, with :math:`\dot r, \Delta, \dot\Delta`
-    from the first sweep; key blocks split as in the forward."""
+    from the first sweep; key blocks split as in the forward, ``TMA`` (the ``"tma"`` variant) as there."""
     start_m, rows, batch_head, batch, head, kv_head, key_mask_base = common.query_block(heads, group, KEY_MASK, M, BLOCK_M)
 
-    q = common.load_tile(common.head_pointer(Q, batch, head, stride_qb, stride_qh), rows, N, stride_qn, HEAD_DIM,
-                         BLOCK_D)
-    do = common.load_tile(common.head_pointer(DO, batch, head, stride_dob, stride_doh), rows, N, stride_don, HEAD_DIM,
-                          BLOCK_D)
-    q_dot = common.optional_tile(common.head_pointer(Q_DOT, batch, head, stride_qdb, stride_qdh), rows, N, stride_qdn,
-                                 q, HEAD_DIM, BLOCK_D, PRESENT=HAS_Q_DOT)
-    do_dot = common.optional_tile(common.head_pointer(DO_DOT, batch, head, stride_dodb, stride_dodh), rows, N,
-                                  stride_dodn, do, HEAD_DIM, BLOCK_D, PRESENT=HAS_DO_DOT)
+    q_base, do_base, q_dot_base, do_dot_base = common.head_pointers(Q, DO, Q_DOT, DO_DOT, batch, head, stride_qb,
+                                                                    stride_qh, stride_dob, stride_doh, stride_qdb,
+                                                                    stride_qdh, stride_dodb, stride_dodh)
+    q_src, do_src, q_dot_src, do_dot_src = common.tile_sources(q_base, do_base, q_dot_base, do_dot_base, N, stride_qn,
+                                                               stride_don, stride_qdn, stride_dodn, HEAD_DIM, BLOCK_M,
+                                                               BLOCK_D, HAS_Q_DOT, HAS_DO_DOT, TMA)
+    q, do, q_dot, do_dot = common.load_tile_group(q_src, do_src, q_dot_src, do_dot_src, start_m, rows, N, stride_qn,
+                                                  stride_don, stride_qdn, stride_dodn, HEAD_DIM, BLOCK_D, HAS_Q_DOT,
+                                                  HAS_DO_DOT, TMA)
     row_max, log_sum = common.load_softmax_stats(common.softmax_stats_pointer(STATS, batch_head, N), rows, N)
     delta = common.load_rows(common.row_vector_pointer(DELTA, batch_head, N), rows, N)
     r_dot = common.load_rows(common.row_vector_pointer(R_DOT, batch_head, N), rows, N)
@@ -288,22 +334,34 @@ def _dq_dot_kernel(
     k_base, v_base, k_dot_base, v_dot_base = common.head_pointers(K, V, K_DOT, V_DOT, batch, kv_head, stride_kb,
                                                                   stride_kh, stride_vb, stride_vh, stride_kdb,
                                                                   stride_kdh, stride_vdb, stride_vdh)
+    k_src, v_src, k_dot_src, v_dot_src = common.tile_sources(k_base, v_base, k_dot_base, v_dot_base, M, stride_kn,
+                                                             stride_vn, stride_kdn, stride_vdn, HEAD_DIM, BLOCK_N,
+                                                             BLOCK_D, HAS_K_DOT, HAS_V_DOT, TMA)
     unmasked_end, end = common.row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
+    whole_end = common.whole_block_end(unmasked_end, BLOCK_N, TMA)
+    if TMA:
+        dq_dot = _dq_dot_inner(
+            dq_dot, q, q_dot, do, do_dot, row_max, log_sum, delta, r_dot, delta_dot, k_src, v_src, k_dot_src,
+            v_dot_src, stride_kn, stride_vn, stride_kdn, stride_vdn, rows, 0, whole_end, M, qk_scale, scale,
+            key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION,
+            HAS_KEY_MASK, TMA, True,
+        )
     dq_dot = _dq_dot_inner(
-        dq_dot, q, q_dot, do, do_dot, row_max, log_sum, delta, r_dot, delta_dot, k_base, v_base, k_dot_base,
-        v_dot_base, stride_kn, stride_vn, stride_kdn, stride_vdn, rows, 0, unmasked_end, M, qk_scale, scale,
+        dq_dot, q, q_dot, do, do_dot, row_max, log_sum, delta, r_dot, delta_dot, k_src, v_src, k_dot_src,
+        v_dot_src, stride_kn, stride_vn, stride_kdn, stride_vdn, rows, whole_end, unmasked_end, M, qk_scale, scale,
         key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION,
-        HAS_KEY_MASK,
+        HAS_KEY_MASK, TMA, False,
     )
     if CAUSAL:
         dq_dot = _dq_dot_inner(
-            dq_dot, q, q_dot, do, do_dot, row_max, log_sum, delta, r_dot, delta_dot, k_base, v_base, k_dot_base,
-            v_dot_base, stride_kn, stride_vn, stride_kdn, stride_vdn, rows, unmasked_end, end, M, qk_scale, scale,
+            dq_dot, q, q_dot, do, do_dot, row_max, log_sum, delta, r_dot, delta_dot, k_src, v_src, k_dot_src,
+            v_dot_src, stride_kn, stride_vn, stride_kdn, stride_vdn, rows, unmasked_end, end, M, qk_scale, scale,
             key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION,
-            HAS_KEY_MASK,
+            HAS_KEY_MASK, TMA, False,
         )
-    dq_dot_base = common.head_pointer(DQ_DOT, batch, head, stride_dqdb, stride_dqdh)
-    common.store_tile(dq_dot_base, dq_dot * scale, rows, N, stride_dqdn, HEAD_DIM, BLOCK_D)
+    dq_dot_src = common.tile_source(common.head_pointer(DQ_DOT, batch, head, stride_dqdb, stride_dqdh), N, stride_dqdn,
+                                    HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+    common.store_block(dq_dot_src, dq_dot * scale, start_m, rows, N, stride_dqdn, HEAD_DIM, BLOCK_D, TMA)
 
 
 # ----------------------------------------------------------------------------- column sweep: dK-dot, dV-dot
@@ -311,12 +369,12 @@ def _dq_dot_kernel(
 
 @triton.jit
 def _dk_dot_dv_dot_inner(
-    dk_dot, dv_dot, k, v, k_dot, v_dot, q_base, do_base, q_dot_base, do_dot_base,
+    dk_dot, dv_dot, k, v, k_dot, v_dot, q_src, do_src, q_dot_src, do_dot_src,
     stats_base, delta_base, r_dot_base, delta_dot_base, stride_qn, stride_don, stride_qdn, stride_dodn,
     keys, start, end, N, qk_scale, scale, key_mask_base, M,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASK_CAUSAL: tl.constexpr,
     HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr, HAS_DO_DOT: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r"""Add query rows ``[start, end)`` of one query head to a key block's
 
@@ -325,12 +383,13 @@ def _dk_dot_dv_dot_inner(
         d\dot V_j \mathrel{+}= \sum_i P_{ij} (\dot S_{ij} - \dot r_i)\, dO_i + P_{ij}\, d\dot O_i
 
     with :math:`\dot r, \Delta, \dot\Delta` from the first sweep; tiles are kept transposed (keys by queries).
+    Query-side tiles through their sources (:func:`~flashbob.kernels.common.tile_sources`).
     """
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
-        q, do, q_dot, do_dot = common.load_tile_group(q_base, do_base, q_dot_base, do_dot_base, stride_qn, stride_don,
-                                                      stride_qdn, stride_dodn, rows, N, HEAD_DIM, BLOCK_D, HAS_Q_DOT,
-                                                      HAS_DO_DOT)
+        q, do, q_dot, do_dot = common.load_tile_group(q_src, do_src, q_dot_src, do_dot_src, start_m, rows, N,
+                                                      stride_qn, stride_don, stride_qdn, stride_dodn, HEAD_DIM,
+                                                      BLOCK_D, HAS_Q_DOT, HAS_DO_DOT, TMA)
         row_max, log_sum = common.load_softmax_stats(stats_base, rows, N)
         delta = common.load_rows(delta_base, rows, N)
         delta_dot = common.load_rows(delta_dot_base, rows, N)
@@ -368,13 +427,14 @@ def _dk_dot_dv_dot_kernel(
     STATS, DELTA, R_DOT, DELTA_DOT, KEY_MASK, heads, kv_heads, group, N, M, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr,
-    HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r""":math:`d\dot K = \tau (d\dot S^\top Q + dS^\top \dot Q)` and
     :math:`d\dot V = (P \circ (\dot S - \dot r))^\top dO + P^\top d\dot O` of one key block of one kv head,
     summed over the ``group`` query heads sharing it; the causal split of the query rows is the one of
     the dK/dV kernel. One sweep for both: a dK-dot sweep and a dV-dot sweep apart (8 + 5 products against 10)
-    took 36.4 ms against 24.3 ms on the H200 (bf16, d = 128, H = 16, N = 16K, tuned configs)."""
+    took 36.4 ms against 24.3 ms on the H200 (bf16, d = 128, H = 16, N = 16K, tuned configs). ``TMA`` (the
+    ``"tma"`` variant): tiles through tensor descriptors."""
     start_n, keys, batch, kv_head, key_mask_base = common.key_block(kv_heads, KEY_MASK, M, BLOCK_N)
     acc_dtype = DELTA.dtype.element_ty
     dk_dot = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
@@ -382,9 +442,12 @@ def _dk_dot_dv_dot_kernel(
     k_base, v_base, k_dot_base, v_dot_base = common.head_pointers(K, V, K_DOT, V_DOT, batch, kv_head, stride_kb,
                                                                   stride_kh, stride_vb, stride_vh, stride_kdb,
                                                                   stride_kdh, stride_vdb, stride_vdh)
-    k, v, k_dot, v_dot = common.load_tile_group(k_base, v_base, k_dot_base, v_dot_base, stride_kn, stride_vn,
-                                                stride_kdn, stride_vdn, keys, M, HEAD_DIM, BLOCK_D, HAS_K_DOT,
-                                                HAS_V_DOT)
+    k_src, v_src, k_dot_src, v_dot_src = common.tile_sources(k_base, v_base, k_dot_base, v_dot_base, M, stride_kn,
+                                                             stride_vn, stride_kdn, stride_vdn, HEAD_DIM, BLOCK_N,
+                                                             BLOCK_D, HAS_K_DOT, HAS_V_DOT, TMA)
+    k, v, k_dot, v_dot = common.load_tile_group(k_src, v_src, k_dot_src, v_dot_src, start_n, keys, M, stride_kn,
+                                                stride_vn, stride_kdn, stride_vdn, HEAD_DIM, BLOCK_D, HAS_K_DOT,
+                                                HAS_V_DOT, TMA)
 
     masked_end = common.column_block_masked_end(start_n, N, BLOCK_M, BLOCK_N, CAUSAL)
     for member in range(group):
@@ -392,26 +455,32 @@ def _dk_dot_dv_dot_kernel(
             Q, DO, STATS, DELTA, batch, heads, kv_head, group, member, N, stride_qb, stride_qh, stride_dob, stride_doh)
         q_dot_base = common.head_pointer(Q_DOT, batch, head, stride_qdb, stride_qdh)
         do_dot_base = common.head_pointer(DO_DOT, batch, head, stride_dodb, stride_dodh)
+        q_src, do_src, q_dot_src, do_dot_src = common.tile_sources(q_base, do_base, q_dot_base, do_dot_base, N,
+                                                                   stride_qn, stride_don, stride_qdn, stride_dodn,
+                                                                   HEAD_DIM, BLOCK_M, BLOCK_D, HAS_Q_DOT, HAS_DO_DOT,
+                                                                   TMA)
         r_dot_base = common.row_vector_pointer(R_DOT, batch_head, N)
         delta_dot_base = common.row_vector_pointer(DELTA_DOT, batch_head, N)
         if CAUSAL:
             dk_dot, dv_dot = _dk_dot_dv_dot_inner(
-                dk_dot, dv_dot, k, v, k_dot, v_dot, q_base, do_base, q_dot_base, do_dot_base, stats_base, delta_base,
+                dk_dot, dv_dot, k, v, k_dot, v_dot, q_src, do_src, q_dot_src, do_dot_src, stats_base, delta_base,
                 r_dot_base, delta_dot_base, stride_qn, stride_don, stride_qdn, stride_dodn, keys, start_n, masked_end,
                 N, qk_scale, scale, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_Q_DOT, HAS_K_DOT,
-                HAS_V_DOT, HAS_DO_DOT, PRECISION, HAS_KEY_MASK,
+                HAS_V_DOT, HAS_DO_DOT, PRECISION, HAS_KEY_MASK, TMA,
             )
         dk_dot, dv_dot = _dk_dot_dv_dot_inner(
-            dk_dot, dv_dot, k, v, k_dot, v_dot, q_base, do_base, q_dot_base, do_dot_base, stats_base, delta_base,
+            dk_dot, dv_dot, k, v, k_dot, v_dot, q_src, do_src, q_dot_src, do_dot_src, stats_base, delta_base,
             r_dot_base, delta_dot_base, stride_qn, stride_don, stride_qdn, stride_dodn, keys, masked_end, N,
             N, qk_scale, scale, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_Q_DOT, HAS_K_DOT,
-            HAS_V_DOT, HAS_DO_DOT, PRECISION, HAS_KEY_MASK,
+            HAS_V_DOT, HAS_DO_DOT, PRECISION, HAS_KEY_MASK, TMA,
         )
 
-    dk_dot_base = common.head_pointer(DK_DOT, batch, kv_head, stride_dkdb, stride_dkdh)
-    common.store_tile(dk_dot_base, dk_dot * scale, keys, M, stride_dkdn, HEAD_DIM, BLOCK_D)
-    dv_dot_base = common.head_pointer(DV_DOT, batch, kv_head, stride_dvdb, stride_dvdh)
-    common.store_tile(dv_dot_base, dv_dot, keys, M, stride_dvdn, HEAD_DIM, BLOCK_D)
+    dk_dot_src = common.tile_source(common.head_pointer(DK_DOT, batch, kv_head, stride_dkdb, stride_dkdh), M,
+                                    stride_dkdn, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    common.store_block(dk_dot_src, dk_dot * scale, start_n, keys, M, stride_dkdn, HEAD_DIM, BLOCK_D, TMA)
+    dv_dot_src = common.tile_source(common.head_pointer(DV_DOT, batch, kv_head, stride_dvdb, stride_dvdh), M,
+                                    stride_dvdn, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    common.store_block(dv_dot_src, dv_dot, start_n, keys, M, stride_dvdn, HEAD_DIM, BLOCK_D, TMA)
 
 
 # ----------------------------------------------------------------------------- host wrappers
@@ -459,7 +528,8 @@ def forward_jvp(
     configs.launch(
         "jvp_fwd", _o_dot_kernel, common.row_grid(n, batch * heads),
         *common.with_strides(q, k, v, o, q_dot, k_dot, v_dot, o_dot), stats, key_mask, heads, heads // k.shape[1], n,
-        k.shape[2], scale * common.LOG2E.value, scale, head_dim=head_dim, dtype=q.dtype, length=n, **constants,
+        k.shape[2], scale * common.LOG2E.value, scale, head_dim=head_dim, dtype=q.dtype, length=n,
+        descriptors=(q, k, v, o, q_dot, k_dot, v_dot, o_dot), **constants,
     )
     return o_dot
 
@@ -517,16 +587,16 @@ def backward_jvp(
     configs.launch(
         "jvp_rows", _row_scalars_kernel, common.row_grid(n, batch * heads),
         *common.with_strides(q, k, v, o, do, *tangents), *row_scalars, *scalars, head_dim=head_dim, dtype=q.dtype,
-        length=n, **constants,
+        length=n, descriptors=(q, k, v, o, do, *tangents), **constants,
     )
     configs.launch(
         "jvp_dq", _dq_dot_kernel, common.row_grid(n, batch * heads),
         *common.with_strides(q, k, v, do, *tangents, dq_dot), *row_scalars, *scalars, head_dim=head_dim, dtype=q.dtype,
-        length=n, **constants,
+        length=n, descriptors=(q, k, v, do, *tangents, dq_dot), **constants,
     )
     configs.launch(
         "jvp_cols", _dk_dot_dv_dot_kernel, common.column_grid(m, batch * kv_heads),
         *common.with_strides(q, k, v, do, *tangents, dk_dot, dv_dot), *row_scalars, kv_heads, *scalars,
-        head_dim=head_dim, dtype=q.dtype, length=m, **constants,
+        head_dim=head_dim, dtype=q.dtype, length=m, descriptors=(q, k, v, do, *tangents, dk_dot, dv_dot), **constants,
     )
     return dq_dot, dk_dot, dv_dot
