@@ -38,29 +38,36 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Raise a ValueError/TypeError naming the offending argument unless ``q`` is ``(batch, heads, N, d)``
     and ``k``, ``v`` are ``(batch, kv_heads, M, d)``, all of one supported dtype and one device, with
-    ``heads`` a multiple of ``kv_heads`` and no dimension but the batch empty."""
+    ``heads`` a multiple of ``kv_heads`` and no dimension but the batch empty.
+
+    Each shape is read once into a tuple (every ``x.shape`` builds a ``torch.Size``): this runs at least twice
+    per call of :func:`flashbob.attention` and of each of its derivatives."""
+    shapes = {}
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_is_tensor(name, x)
-        if x.dim() != 4:
-            raise ValueError(f"{name} must have 4 dimensions (batch, heads, seq, head_dim), got shape {tuple(x.shape)}")
+        shape = shapes[name] = tuple(x.shape)
+        if len(shape) != 4:
+            raise ValueError(f"{name} must have 4 dimensions (batch, heads, seq, head_dim), got shape {shape}")
         _check_dtype(name, x)
-        if x.shape[2] == 0:
+        if shape[2] == 0:
             raise ValueError(f"{name} has sequence length 0; flashbob.attention needs at least 1")
-        if x.shape[1] == 0:
+        if shape[1] == 0:
             raise ValueError(f"{name} has 0 heads; flashbob.attention needs at least 1")
-        if x.shape[3] == 0:
+        if shape[3] == 0:
             raise ValueError(f"{name} has head_dim 0; flashbob.attention needs at least 1")
+    q_shape, k_shape, v_shape = shapes["q"], shapes["k"], shapes["v"]
     for name, x in (("k", k), ("v", v)):
         _check_like(name, x, "q", q)
-        if x.shape[0] != q.shape[0]:
-            raise ValueError(f"{name} has batch size {x.shape[0]} but q has {q.shape[0]}")
-        if x.shape[3] != q.shape[3]:
-            raise ValueError(f"{name} has head_dim {x.shape[3]} but q has {q.shape[3]}")
-    if v.shape[1:3] != k.shape[1:3]:
-        raise ValueError(f"v must have k's heads and length {tuple(k.shape[1:3])}, got {tuple(v.shape[1:3])}")
-    if not _heads_group(q.shape[1], k.shape[1]):
+        shape = shapes[name]
+        if shape[0] != q_shape[0]:
+            raise ValueError(f"{name} has batch size {shape[0]} but q has {q_shape[0]}")
+        if shape[3] != q_shape[3]:
+            raise ValueError(f"{name} has head_dim {shape[3]} but q has {q_shape[3]}")
+    if v_shape[1:3] != k_shape[1:3]:
+        raise ValueError(f"v must have k's heads and length {k_shape[1:3]}, got {v_shape[1:3]}")
+    if not _heads_group(q_shape[1], k_shape[1]):
         raise ValueError(
-            f"q's {q.shape[1]} heads must be a multiple of k's and v's {k.shape[1]} heads (grouped-query attention)"
+            f"q's {q_shape[1]} heads must be a multiple of k's and v's {k_shape[1]} heads (grouped-query attention)"
         )
 
 

@@ -190,6 +190,19 @@ def test_bob_without_cotangents_returns_zeros(gen):
         assert outputs[name].shape == inputs[like].shape and not outputs[name].any()
 
 
+def test_key_mask_placeholder_is_made_once_and_never_written(gen):
+    """Without a key mask every launch gets the same one-byte placeholder per device (no allocation per call),
+    and the kernels, which never read it, leave it zero."""
+    from flashbob.kernels import common
+
+    inputs = make_inputs(gen, (1, 1, 1, 5, 7, 16), EXACT)
+    placeholder, has_key_mask = common.key_mask_operand(None, inputs["q"], inputs["k"])
+    run_kernels(inputs, COTANGENTS, causal=False, scale=0.25)
+    again, _ = common.key_mask_operand(None, inputs["q"], inputs["k"])
+    assert not has_key_mask and again is placeholder
+    assert placeholder.dtype == torch.uint8 and placeholder.tolist() == [0]
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("layout", ["transposed", "strided"])
 def test_non_contiguous_inputs(gen, layout, causal, small_tiles):

@@ -72,6 +72,25 @@ def test_key_holds_the_flags_but_not_the_shape_constants():
     assert tuning.Key.from_json(json.loads(json.dumps(key.to_json()))) == key
 
 
+def test_memoised_key_follows_every_input():
+    """tuning_key is memoised on its arguments: each change of kernel, head_dim, dtype, length bucket or a flag
+    gives another key, the one an unmemoised build gives; the order of the constants and the shape constants
+    HEAD_DIM and BLOCK_D do not change it."""
+    build = configs._tuning_key.__wrapped__
+    base = ("bob_q_bar", 128, torch.bfloat16, 1000, {"HEAD_DIM": 128, "BLOCK_D": 128, **FLAGS})
+    variants = [("forward", *base[1:]), (base[0], 64, *base[2:]), (*base[:2], torch.float16, *base[3:]),
+                (*base[:3], 3000, base[4])]
+    variants += [(*base[:4], {**base[4], name: not value if isinstance(value, bool) else value + "_other"})
+                 for name, value in FLAGS.items()]
+    keys = [configs.tuning_key(*args) for args in (base, *variants)]
+    for args, key in zip((base, *variants), keys):
+        assert key == build(*args[:4], tuple(args[4].items()))
+    assert len(set(keys)) == len(keys)
+    assert configs.tuning_key(*base[:4], dict(reversed(base[4].items()))) == keys[0]
+    assert configs.tuning_key(*base[:4], {**base[4], "BLOCK_D": 256}) == keys[0]
+    assert configs.tuning_key(*base[:3], 1024, base[4]) == keys[0]  # same bucket
+
+
 def test_cache_folder_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("FLASHBOB_CACHE_DIR", str(tmp_path / "a"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "b"))
@@ -304,6 +323,28 @@ def test_launch_tunes_once_then_launches_the_pick(folders, monkeypatch):
     assert (row["kernel"], row["bucket"], row["source"]) == ("bob_q_bar", 4096, "tuned")
     assert configs.BlockConfig(**row["config"]) == space[2]
     assert row["flags"] == FLAGS
+
+
+def test_launch_raises_when_the_compiler_rejects_every_config(monkeypatch):
+    """Each candidate is tried once, the pick first; when the last one is rejected too, its error is raised."""
+    from triton.runtime.errors import OutOfResources
+
+    monkeypatch.setenv("FLASHBOB_AUTOTUNE", "0")
+    monkeypatch.setattr(configs, "_PICKS", {})
+    tried = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def run(*args, BLOCK_M, BLOCK_N, num_warps, num_stages, **constants):
+                tried.append(configs.BlockConfig(BLOCK_M, BLOCK_N, num_warps, num_stages))
+                raise OutOfResources(262144 + len(tried), 232448, "shared memory")
+            return run
+
+    with pytest.raises(OutOfResources) as raised:
+        configs.launch("bob_q_bar", Kernel(), (1,), head_dim=128, dtype=torch.float16, length=4096, HEAD_DIM=128)
+    space = configs.candidates("bob_q_bar", 128, torch.float16, 4096)
+    assert len(space) > 1 and tried == list(space)
+    assert raised.value.required == 262144 + len(space)  # the last candidate's error
 
 
 def test_tuning_mode(monkeypatch):

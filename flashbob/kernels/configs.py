@@ -168,8 +168,14 @@ _PICKS: dict[tuple[tuning.Key, str | None, str], Pick] = {}  # per (key, GPU, tu
 
 def tuning_key(kernel: str, head_dim: int, dtype: torch.dtype, length: int, constants: dict) -> tuning.Key:
     """The key of a launch: its compile-time ``constants`` but HEAD_DIM and BLOCK_D (which head_dim fixes)
-    are its flags."""
-    flags = tuple(sorted((name, value) for name, value in constants.items() if name not in ("HEAD_DIM", "BLOCK_D")))
+    are its flags. Memoised on its arguments (:func:`_tuning_key`): every launch asks for its key."""
+    return _tuning_key(kernel, head_dim, dtype, length, tuple(constants.items()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _tuning_key(kernel: str, head_dim: int, dtype: torch.dtype, length: int,
+                constants: tuple[tuple[str, object], ...]) -> tuning.Key:
+    flags = tuple(sorted((name, value) for name, value in constants if name not in ("HEAD_DIM", "BLOCK_D")))
     return tuning.Key(kernel, head_dim, str(dtype).removeprefix("torch."), tuning.bucket(length), flags)
 
 
@@ -221,17 +227,23 @@ def launch(kernel: str, jit_fn, grid, *args, head_dim: int, dtype: torch.dtype, 
     if memo not in _PICKS:
         _PICKS[memo] = pick(key, space, *memo[1:], run=run)
     chosen = _PICKS[memo]
-    order = tuple(dict.fromkeys((chosen.config, *space)))
-    for position, config in enumerate(order):
+    for config in _fallback_order(chosen.config, space):
         try:
             run(config)
-        except OutOfResources:
-            if position == len(order) - 1:
-                raise
+        except OutOfResources as error:
+            rejected = error
             continue
         if config != chosen.config:  # remembered, so that the rejected one is not compiled again
             _PICKS[memo] = dataclasses.replace(chosen, config=config)
         return
+    raise rejected
+
+
+def _fallback_order(first: BlockConfig, space: tuple[BlockConfig, ...]) -> Iterator[BlockConfig]:
+    """``first``, then the other candidates of ``space`` in order, each once: the configurations a launch tries
+    until the compiler accepts one. Lazy: the usual launch, whose first configuration compiles, compares none."""
+    yield first
+    yield from (config for config in space if config != first)
 
 
 def variant_for(kernel: str, config: BlockConfig, descriptors: tuple[torch.Tensor, ...]) -> str:
@@ -253,7 +265,7 @@ def descriptors_usable(tensors: tuple[torch.Tensor, ...]) -> bool:
         return False
     device = tensors[0].device
     if device.type == "cuda":
-        if torch.cuda.get_device_capability(device)[0] < 9:
+        if _compute_capability(torch.cuda.current_device() if device.index is None else device.index)[0] < 9:
             return False
     elif os.environ.get("TRITON_INTERPRET", "0") != "1":
         return False
@@ -294,6 +306,11 @@ def _gpu(args: tuple) -> str | None:
 @functools.cache
 def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
+
+
+@functools.cache
+def _compute_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def tuned_configs() -> list[dict]:
