@@ -66,7 +66,7 @@ def make_inputs(gen, shape, dtype, *, layout="contiguous"):
 def run_kernels(inputs, cotangents, *, causal, scale, key_mask=None):
     """All ten outputs of forward, backward and BoB, chained as the autograd wiring chains them."""
     q, k, v, do = (inputs[name] for name in ("q", "k", "v", "do"))
-    flags = dict(causal=causal, scale=scale, key_mask=key_mask)
+    flags = {"causal": causal, "scale": scale, "key_mask": key_mask}
     o, stats = kernels.forward(q, k, v, **flags)
     dq, dk, dv, delta = kernels.backward(q, k, v, o, stats, do, **flags)
     bars = [inputs[name] if name in cotangents else None for name in COTANGENTS]
@@ -78,7 +78,7 @@ def run_kernels(inputs, cotangents, *, causal, scale, key_mask=None):
 def run_reference(inputs, cotangents, *, causal, scale, dtype=torch.float64, key_mask=None):
     """The same ten outputs from the naive autograd oracle, computed in ``dtype``."""
     q, k, v, do = (inputs[name].to(dtype) for name in ("q", "k", "v", "do"))
-    flags = dict(causal=causal, scale=scale, key_mask=key_mask)
+    flags = {"causal": causal, "scale": scale, "key_mask": key_mask}
     o = reference.attention(q, k, v, **flags)
     lse = reference.log_sum_exp(q, k, **flags)
     dq, dk, dv = reference.attention_backward(q, k, v, do, **flags)
@@ -91,7 +91,7 @@ def run_reference(inputs, cotangents, *, causal, scale, dtype=torch.float64, key
 def check_layout(outputs, inputs):
     """Outputs are shaped like their inputs, in the input dtype; row statistics in the accumulator dtype."""
     dtype = inputs["q"].dtype
-    like = dict(o="q", dq="q", q_bar="q", do_bar="q", dk="k", k_bar="k", dv="v", v_bar="v")
+    like = {"o": "q", "dq": "q", "q_bar": "q", "do_bar": "q", "dk": "k", "k_bar": "k", "dv": "v", "v_bar": "v"}
     for name, source in like.items():
         assert outputs[name].shape == inputs[source].shape and outputs[name].dtype == dtype, name
     stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
@@ -316,6 +316,34 @@ def test_tma_variant_bob_cotangent_subsets(gen, cotangents):
     with configs.override(block_m=16, block_n=16, variant="tma"):
         outputs = run_kernels(inputs, cotangents, causal=True, scale=0.3)
     assert_matches_reference(outputs, inputs, cotangents, causal=True, scale=0.3, tolerance=TOLERANCE[EXACT])
+
+
+def test_kernel_variant_environment_switch(gen, monkeypatch):
+    """FLASHBOB_KERNEL_VARIANT=tma runs the variant in every kernel that has it (the others run their base code),
+    whatever the configuration says, and the results still match the oracle; override(variant=...) wins; a name
+    that is no variant is an error naming the setting."""
+    ran = []
+    variant_for = configs.variant_for
+
+    def recorded(kernel, config, descriptors):
+        ran.append((kernel, variant_for(kernel, config, descriptors)))
+        return ran[-1][1]
+
+    monkeypatch.setattr(configs, "variant_for", recorded)
+    inputs = make_inputs(gen, (1, 2, 1, 21, 18, 16), EXACT)
+    monkeypatch.setenv("FLASHBOB_KERNEL_VARIANT", "tma")
+    with configs.override(block_m=16, block_n=16):
+        outputs = run_kernels(inputs, COTANGENTS, causal=True, scale=0.25)
+    assert_matches_reference(outputs, inputs, COTANGENTS, causal=True, scale=0.25, tolerance=TOLERANCE[EXACT])
+    assert {kernel for kernel, _ in ran} >= {"forward", "dq", "dkdv", "bob_cols"}
+    assert all(variant == ("tma" if kernel in TMA_KERNELS else "base") for kernel, variant in ran)
+    ran.clear()
+    with configs.override(block_m=16, block_n=16, variant="base"):
+        run_kernels(inputs, COTANGENTS, causal=True, scale=0.25)
+    assert ran and all(variant == "base" for _, variant in ran)
+    monkeypatch.setenv("FLASHBOB_KERNEL_VARIANT", "wgmma")
+    with pytest.raises(ValueError, match=r"^FLASHBOB_KERNEL_VARIANT must be one of base, tma or unset; got 'wgmma'$"):
+        run_kernels(inputs, COTANGENTS, causal=True, scale=0.25)
 
 
 def test_tma_variant_falls_back_to_the_base_code(gen, monkeypatch):

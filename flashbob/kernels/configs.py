@@ -16,6 +16,11 @@ tables and the cache), the first of
 picks in the cache (benchmarks/tune_table.py); ``defaults`` uses the defaults whatever the cache and table
 hold (to time them against the tuned ones). Inside :func:`override`, and in Triton's interpreter, the
 default is used. A configuration the compiler rejects gives way to the next candidate.
+
+``FLASHBOB_KERNEL_VARIANT`` (:func:`forced_variant`): unset, each launch runs its configuration's variant;
+a variant's name (``base``, ``tma``), every kernel that has that variant runs it, whatever the
+configuration says (``override(variant=...)`` still wins), e.g. to run a whole program or the test suite
+on the opt-in variant before it becomes a default.
 """
 
 from __future__ import annotations
@@ -273,8 +278,26 @@ def descriptors_usable(tensors: tuple[torch.Tensor, ...]) -> bool:
                and all(stride * x.element_size() % 16 == 0 for stride in x.stride()[:-1]) for x in tensors)
 
 
+def forced_variant() -> str | None:
+    """The variant ``FLASHBOB_KERNEL_VARIANT`` names (``None`` if unset or empty).
+
+    Raises:
+        ValueError: it names no variant of any kernel.
+    """
+    value = os.environ.get("FLASHBOB_KERNEL_VARIANT", "")
+    if not value:
+        return None
+    known = sorted({name for names in VARIANTS.values() for name in names})
+    if value not in known:
+        raise ValueError(f"FLASHBOB_KERNEL_VARIANT must be one of {', '.join(known)} or unset; got {value!r}")
+    return value
+
+
 def _run(kernel: str, jit_fn, grid, args: tuple, constants: dict, config: BlockConfig, *,
          descriptors: tuple[torch.Tensor, ...] = ()) -> None:
+    forced = forced_variant()
+    if forced in VARIANTS[kernel] and "variant" not in _overrides:
+        config = dataclasses.replace(config, variant=forced)
     variant = variant_for(kernel, config, descriptors)
     if len(VARIANTS[kernel]) > 1:
         constants = {**constants, "TMA": variant == "tma"}
