@@ -249,10 +249,9 @@ def extension_points(optimizer: str, rows: list[dict], limit: int) -> list[tuple
         if len(values) < 2:
             continue
         ratio = values[1] / values[0]
-        for end, step, beyond in ((min(values), 1 / ratio, [v for v in tried[key] if v < min(values)]),
-                                  (max(values), ratio, [v for v in tried[key] if v > max(values)])):
-            at_edge = point[key] == (min(tried[key]) if step < 1 else max(tried[key]))
-            if at_edge and len(beyond) < limit:
+        for step, edge, beyond in ((1 / ratio, min(tried[key]), [v for v in tried[key] if v < min(values)]),
+                                   (ratio, max(tried[key]), [v for v in tried[key] if v > max(values)])):
+            if point[key] == edge and len(beyond) < limit:
                 points.append(tuple((k, float(f"{v * step:.6g}") if k == key else v) for k, v in point.items()))
     return [p for p in points if label(p) not in swept]
 
@@ -583,7 +582,8 @@ def compare_run(session: Session, run: Run, step_s: float) -> None:
 
 def pending_sweep(session: Session) -> list[Run]:
     """The sweep's runs left: the grid points not swept, then the :func:`extension_points` of the sweep so far."""
-    rows = [r for r in read_csv(session.sweep_csv) if r["budget_s"] == session.args.sweep_seconds]
+    rows = [r for r in read_csv(session.sweep_csv)
+            if r["budget_s"] == session.args.sweep_seconds and r["seed"] == session.sweep_seed]
     swept = {(r["optimizer"], r["setting"]) for r in rows}
     points = [(optimizer, point) for optimizer in session.optimizers for point in grid(optimizer)]
     points += [(optimizer, point) for optimizer in session.optimizers
@@ -656,6 +656,8 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     for name in ("sweep_seconds", "budget_seconds", "max_minutes"):
         if getattr(args, name) is not None and not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.edge_extensions < 0:
+        parser.error(f"--edge-extensions must be >= 0, got {args.edge_extensions}")
     if args.top is not None and args.top < 1:
         parser.error(f"--top must be >= 1, got {args.top}")
     return args
