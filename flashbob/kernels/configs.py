@@ -20,7 +20,8 @@ default is used. A configuration the compiler rejects gives way to the next cand
 ``FLASHBOB_KERNEL_VARIANT`` (:func:`forced_variant`): unset, each launch runs its configuration's variant;
 a variant's name (``base``, ``tma``), every kernel that has that variant runs it, whatever the
 configuration says (``override(variant=...)`` still wins), e.g. to run a whole program or the test suite
-on the opt-in variant before it becomes a default.
+on the opt-in variant before it becomes a default. A key tuned while it is set is timed with the variant
+and its tiles are cached like any other pick.
 """
 
 from __future__ import annotations
