@@ -75,10 +75,10 @@ def _dkdv_kernel(
     acc_dtype = DELTA.dtype.element_ty
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
-    k_src = common.tile_source(common.head_pointer(K, batch, kv_head, stride_kb, stride_kh), M, stride_kn, HEAD_DIM,
-                               BLOCK_N, BLOCK_D, TMA)
-    v_src = common.tile_source(common.head_pointer(V, batch, kv_head, stride_vb, stride_vh), M, stride_vn, HEAD_DIM,
-                               BLOCK_N, BLOCK_D, TMA)
+    k_src = common.head_tile_source(K, batch, kv_head, stride_kb, stride_kh, M, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D,
+                                    TMA)
+    v_src = common.head_tile_source(V, batch, kv_head, stride_vb, stride_vh, M, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D,
+                                    TMA)
     k = common.load_block(k_src, start_n, keys, M, stride_kn, HEAD_DIM, BLOCK_D, TMA)
     v = common.load_block(v_src, start_n, keys, M, stride_vn, HEAD_DIM, BLOCK_D, TMA)
 
@@ -99,11 +99,11 @@ def _dkdv_kernel(
             qk_scale, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, False, PRECISION, HAS_KEY_MASK, TMA,
         )
 
-    dk_src = common.tile_source(common.head_pointer(DK, batch, kv_head, stride_dkb, stride_dkh), M, stride_dkn,
-                                HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    dk_src = common.head_tile_source(DK, batch, kv_head, stride_dkb, stride_dkh, M, stride_dkn, HEAD_DIM, BLOCK_N,
+                                     BLOCK_D, TMA)
     common.store_block(dk_src, dk * scale, start_n, keys, M, stride_dkn, HEAD_DIM, BLOCK_D, TMA)
-    dv_src = common.tile_source(common.head_pointer(DV, batch, kv_head, stride_dvb, stride_dvh), M, stride_dvn,
-                                HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    dv_src = common.head_tile_source(DV, batch, kv_head, stride_dvb, stride_dvh, M, stride_dvn, HEAD_DIM, BLOCK_N,
+                                     BLOCK_D, TMA)
     common.store_block(dv_src, dv, start_n, keys, M, stride_dvn, HEAD_DIM, BLOCK_D, TMA)
 
 
@@ -141,14 +141,13 @@ def _dq_kernel(
 ):
     r""":math:`dQ = \tau\, dS K` of one query block, key blocks split as in the forward (and ``TMA`` as there)."""
     start_m, rows, batch_head, batch, head, kv_head, key_mask_base = common.query_block(heads, group, KEY_MASK, M, BLOCK_M)
-    k_src = common.tile_source(common.head_pointer(K, batch, kv_head, stride_kb, stride_kh), M, stride_kn, HEAD_DIM,
-                               BLOCK_N, BLOCK_D, TMA)
-    v_src = common.tile_source(common.head_pointer(V, batch, kv_head, stride_vb, stride_vh), M, stride_vn, HEAD_DIM,
-                               BLOCK_N, BLOCK_D, TMA)
-    q_src = common.tile_source(common.head_pointer(Q, batch, head, stride_qb, stride_qh), N, stride_qn, HEAD_DIM,
-                               BLOCK_M, BLOCK_D, TMA)
-    do_src = common.tile_source(common.head_pointer(DO, batch, head, stride_dob, stride_doh), N, stride_don, HEAD_DIM,
-                                BLOCK_M, BLOCK_D, TMA)
+    k_src = common.head_tile_source(K, batch, kv_head, stride_kb, stride_kh, M, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D,
+                                    TMA)
+    v_src = common.head_tile_source(V, batch, kv_head, stride_vb, stride_vh, M, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D,
+                                    TMA)
+    q_src = common.head_tile_source(Q, batch, head, stride_qb, stride_qh, N, stride_qn, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+    do_src = common.head_tile_source(DO, batch, head, stride_dob, stride_doh, N, stride_don, HEAD_DIM, BLOCK_M, BLOCK_D,
+                                     TMA)
     q = common.load_block(q_src, start_m, rows, N, stride_qn, HEAD_DIM, BLOCK_D, TMA)
     do = common.load_block(do_src, start_m, rows, N, stride_don, HEAD_DIM, BLOCK_D, TMA)
     row_max, log_sum = common.load_softmax_stats(common.softmax_stats_pointer(STATS, batch_head, N), rows, N)
@@ -171,8 +170,8 @@ def _dq_kernel(
             dq, q, do, row_max, log_sum, delta, k_src, v_src, stride_kn, stride_vn, rows, unmasked_end, end, M,
             qk_scale, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, HAS_KEY_MASK, TMA, False,
         )
-    dq_src = common.tile_source(common.head_pointer(DQ, batch, head, stride_dqb, stride_dqh), N, stride_dqn, HEAD_DIM,
-                                BLOCK_M, BLOCK_D, TMA)
+    dq_src = common.head_tile_source(DQ, batch, head, stride_dqb, stride_dqh, N, stride_dqn, HEAD_DIM, BLOCK_M, BLOCK_D,
+                                     TMA)
     common.store_block(dq_src, dq * scale, start_m, rows, N, stride_dqn, HEAD_DIM, BLOCK_D, TMA)
 
 

@@ -191,18 +191,16 @@ def _bob_rows_kernel(
     causal masks (:func:`~flashbob.kernels.common.whole_block_end`).
     """
     start_m, rows, batch_head, batch, head, kv_head, key_mask_base = common.query_block(heads, group, KEY_MASK, M, BLOCK_M)
-    k_base, v_base, w_bar_base, z_bar_base = common.head_pointers(K, V, W_BAR, Z_BAR, batch, kv_head, stride_kb,
+    k_src, v_src, w_bar_src, z_bar_src = common.head_tile_sources(K, V, W_BAR, Z_BAR, batch, kv_head, stride_kb,
                                                                   stride_kh, stride_vb, stride_vh, stride_wb, stride_wh,
-                                                                  stride_zb, stride_zh)
-    k_src, v_src, w_bar_src, z_bar_src = common.tile_sources(k_base, v_base, w_bar_base, z_bar_base, M, stride_kn,
-                                                             stride_vn, stride_wn, stride_zn, HEAD_DIM, BLOCK_N,
-                                                             BLOCK_D, HAS_DK_BAR, HAS_DV_BAR, TMA)
-    q_src = common.tile_source(common.head_pointer(Q, batch, head, stride_qb, stride_qh), N, stride_qn, HEAD_DIM,
-                               BLOCK_M, BLOCK_D, TMA)
-    do_src = common.tile_source(common.head_pointer(DO, batch, head, stride_dob, stride_doh), N, stride_don, HEAD_DIM,
-                                BLOCK_M, BLOCK_D, TMA)
-    u_bar_src = common.tile_source(common.head_pointer(U_BAR, batch, head, stride_ub, stride_uh), N, stride_un,
-                                   HEAD_DIM, BLOCK_M, BLOCK_D, TMA and HAS_DQ_BAR)
+                                                                  stride_zb, stride_zh, M, stride_kn, stride_vn,
+                                                                  stride_wn, stride_zn, HEAD_DIM, BLOCK_N, BLOCK_D,
+                                                                  HAS_DK_BAR, HAS_DV_BAR, TMA)
+    q_src = common.head_tile_source(Q, batch, head, stride_qb, stride_qh, N, stride_qn, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+    do_src = common.head_tile_source(DO, batch, head, stride_dob, stride_doh, N, stride_don, HEAD_DIM, BLOCK_M, BLOCK_D,
+                                     TMA)
+    u_bar_src = common.head_tile_source(U_BAR, batch, head, stride_ub, stride_uh, N, stride_un, HEAD_DIM, BLOCK_M,
+                                        BLOCK_D, TMA and HAS_DQ_BAR)
     q = common.load_block(q_src, start_m, rows, N, stride_qn, HEAD_DIM, BLOCK_D, TMA)
     do = common.load_block(do_src, start_m, rows, N, stride_don, HEAD_DIM, BLOCK_D, TMA)
     u_bar = common.optional_block(u_bar_src, start_m, rows, N, stride_un, q, HEAD_DIM, BLOCK_D, PRESENT=HAS_DQ_BAR,
@@ -245,8 +243,8 @@ def _bob_rows_kernel(
     else:
         if SWEEP == "bob_q_bar":
             acc = acc * scale
-        out_src = common.tile_source(common.head_pointer(OUT, batch, head, stride_outb, stride_outh), N, stride_outn,
-                                     HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+        out_src = common.head_tile_source(OUT, batch, head, stride_outb, stride_outh, N, stride_outn, HEAD_DIM, BLOCK_M,
+                                          BLOCK_D, TMA)
         common.store_block(out_src, acc, start_m, rows, N, stride_outn, HEAD_DIM, BLOCK_D, TMA)
 
 
@@ -320,12 +318,11 @@ def _bob_columns_kernel(
     acc_dtype = DELTA.dtype.element_ty
     k_bar = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
     v_bar = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
-    k_base, v_base, w_bar_base, z_bar_base = common.head_pointers(K, V, W_BAR, Z_BAR, batch, kv_head, stride_kb,
+    k_src, v_src, w_bar_src, z_bar_src = common.head_tile_sources(K, V, W_BAR, Z_BAR, batch, kv_head, stride_kb,
                                                                   stride_kh, stride_vb, stride_vh, stride_wb, stride_wh,
-                                                                  stride_zb, stride_zh)
-    k_src, v_src, w_bar_src, z_bar_src = common.tile_sources(k_base, v_base, w_bar_base, z_bar_base, M, stride_kn,
-                                                             stride_vn, stride_wn, stride_zn, HEAD_DIM, BLOCK_N,
-                                                             BLOCK_D, HAS_DK_BAR, HAS_DV_BAR, TMA)
+                                                                  stride_zb, stride_zh, M, stride_kn, stride_vn,
+                                                                  stride_wn, stride_zn, HEAD_DIM, BLOCK_N, BLOCK_D,
+                                                                  HAS_DK_BAR, HAS_DV_BAR, TMA)
     k, v, w_bar, z_bar = common.load_tile_group(k_src, v_src, w_bar_src, z_bar_src, start_n, keys, M, stride_kn,
                                                 stride_vn, stride_wn, stride_zn, HEAD_DIM, BLOCK_D, HAS_DK_BAR,
                                                 HAS_DV_BAR, TMA)
@@ -338,8 +335,8 @@ def _bob_columns_kernel(
         c_base = common.row_vector_pointer(C, batch_head, N)
         q_src = common.tile_source(q_base, N, stride_qn, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
         do_src = common.tile_source(do_base, N, stride_don, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
-        u_bar_src = common.tile_source(common.head_pointer(U_BAR, batch, head, stride_ub, stride_uh), N, stride_un,
-                                       HEAD_DIM, BLOCK_M, BLOCK_D, TMA and HAS_DQ_BAR)
+        u_bar_src = common.head_tile_source(U_BAR, batch, head, stride_ub, stride_uh, N, stride_un, HEAD_DIM, BLOCK_M,
+                                            BLOCK_D, TMA and HAS_DQ_BAR)
         if CAUSAL:
             k_bar, v_bar = _columns_inner(
                 k_bar, v_bar, k, v, w_bar, z_bar, q_src, do_src, u_bar_src, stats_base, delta_base, a_base,
@@ -354,11 +351,11 @@ def _bob_columns_kernel(
             HAS_DK_BAR=HAS_DK_BAR, HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK, TMA=TMA,
         )
 
-    k_bar_src = common.tile_source(common.head_pointer(K_BAR, batch, kv_head, stride_kbb, stride_kbh), M, stride_kbn,
-                                   HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    k_bar_src = common.head_tile_source(K_BAR, batch, kv_head, stride_kbb, stride_kbh, M, stride_kbn, HEAD_DIM, BLOCK_N,
+                                        BLOCK_D, TMA)
     common.store_block(k_bar_src, k_bar * scale, start_n, keys, M, stride_kbn, HEAD_DIM, BLOCK_D, TMA)
-    v_bar_src = common.tile_source(common.head_pointer(V_BAR, batch, kv_head, stride_vbb, stride_vbh), M, stride_vbn,
-                                   HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    v_bar_src = common.head_tile_source(V_BAR, batch, kv_head, stride_vbb, stride_vbh, M, stride_vbn, HEAD_DIM, BLOCK_N,
+                                        BLOCK_D, TMA)
     common.store_block(v_bar_src, v_bar, start_n, keys, M, stride_vbn, HEAD_DIM, BLOCK_D, TMA)
 
 

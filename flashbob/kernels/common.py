@@ -64,19 +64,6 @@ def head_pointer(X, batch, head, stride_batch, stride_head):
 
 
 @triton.jit
-def head_pointers(
-    X, Y, DX, DY, batch, head, stride_xb, stride_xh, stride_yb, stride_yh, stride_dxb, stride_dxh, stride_dyb,
-    stride_dyh,
-):
-    """:func:`head_pointer` of two operands and of their directions, the tiles that :func:`load_tile_group` reads."""
-    x_base = head_pointer(X, batch, head, stride_xb, stride_xh)
-    y_base = head_pointer(Y, batch, head, stride_yb, stride_yh)
-    dx_base = head_pointer(DX, batch, head, stride_dxb, stride_dxh)
-    dy_base = head_pointer(DY, batch, head, stride_dyb, stride_dyh)
-    return x_base, y_base, dx_base, dy_base
-
-
-@triton.jit
 def load_tile(X, rows, n_rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rows ``rows`` of the ``(n_rows, HEAD_DIM)`` matrix at ``X`` (unit column stride) as a
     ``(len(rows), BLOCK_D)`` tile; zero outside the matrix (ragged tails, head_dim padding)."""
@@ -110,6 +97,14 @@ def tile_source(X, n_rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.co
     else:
         source = X
     return source
+
+
+@triton.jit
+def head_tile_source(X, batch, head, stride_batch, stride_head, n_rows, stride_row, HEAD_DIM: tl.constexpr,
+                     BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr):
+    """:func:`tile_source` of the ``(n_rows, HEAD_DIM)`` matrix of one (batch, head) (:func:`head_pointer`)."""
+    return tile_source(head_pointer(X, batch, head, stride_batch, stride_head), n_rows, stride_row, HEAD_DIM,
+                       BLOCK_ROWS, BLOCK_D, TMA)
 
 
 @triton.jit
@@ -293,13 +288,28 @@ def tile_sources(
     x_base, y_base, dx_base, dy_base, n_rows, stride_x, stride_y, stride_dx, stride_dy, HEAD_DIM: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DX: tl.constexpr, HAS_DY: tl.constexpr, TMA: tl.constexpr,
 ):
-    """:func:`tile_source` of the four matrices of :func:`head_pointers`, all ``(n_rows, HEAD_DIM)``; an absent
-    direction's source is its pointer, which is never read."""
+    """:func:`tile_source` of two operands and of their directions, all ``(n_rows, HEAD_DIM)``, the tiles that
+    :func:`load_tile_group` reads; an absent direction's source is its pointer, which is never read."""
     x_src = tile_source(x_base, n_rows, stride_x, HEAD_DIM, BLOCK_ROWS, BLOCK_D, TMA)
     y_src = tile_source(y_base, n_rows, stride_y, HEAD_DIM, BLOCK_ROWS, BLOCK_D, TMA)
     dx_src = tile_source(dx_base, n_rows, stride_dx, HEAD_DIM, BLOCK_ROWS, BLOCK_D, TMA and HAS_DX)
     dy_src = tile_source(dy_base, n_rows, stride_dy, HEAD_DIM, BLOCK_ROWS, BLOCK_D, TMA and HAS_DY)
     return x_src, y_src, dx_src, dy_src
+
+
+@triton.jit
+def head_tile_sources(
+    X, Y, DX, DY, batch, head, stride_xb, stride_xh, stride_yb, stride_yh, stride_dxb, stride_dxh, stride_dyb,
+    stride_dyh, n_rows, stride_x, stride_y, stride_dx, stride_dy, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr, HAS_DX: tl.constexpr, HAS_DY: tl.constexpr, TMA: tl.constexpr,
+):
+    """:func:`tile_sources` of one (batch, head) of two operands and their directions (:func:`head_pointer`)."""
+    x_base = head_pointer(X, batch, head, stride_xb, stride_xh)
+    y_base = head_pointer(Y, batch, head, stride_yb, stride_yh)
+    dx_base = head_pointer(DX, batch, head, stride_dxb, stride_dxh)
+    dy_base = head_pointer(DY, batch, head, stride_dyb, stride_dyh)
+    return tile_sources(x_base, y_base, dx_base, dy_base, n_rows, stride_x, stride_y, stride_dx, stride_dy, HEAD_DIM,
+                        BLOCK_ROWS, BLOCK_D, HAS_DX, HAS_DY, TMA)
 
 
 @triton.jit

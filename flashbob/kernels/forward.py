@@ -61,12 +61,11 @@ def _forward_kernel(
     descriptors, and the whole key blocks left of the diagonal in a loop of their own without the key-range
     and causal masks (:func:`~flashbob.kernels.common.whole_block_end`)."""
     start_m, rows, batch_head, batch, head, kv_head, key_mask_base = common.query_block(heads, group, KEY_MASK, M, BLOCK_M)
-    k_src = common.tile_source(common.head_pointer(K, batch, kv_head, stride_kb, stride_kh), M, stride_kn, HEAD_DIM,
-                               BLOCK_N, BLOCK_D, TMA)
-    v_src = common.tile_source(common.head_pointer(V, batch, kv_head, stride_vb, stride_vh), M, stride_vn, HEAD_DIM,
-                               BLOCK_N, BLOCK_D, TMA)
-    q_src = common.tile_source(common.head_pointer(Q, batch, head, stride_qb, stride_qh), N, stride_qn, HEAD_DIM,
-                               BLOCK_M, BLOCK_D, TMA)
+    k_src = common.head_tile_source(K, batch, kv_head, stride_kb, stride_kh, M, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D,
+                                    TMA)
+    v_src = common.head_tile_source(V, batch, kv_head, stride_vb, stride_vh, M, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D,
+                                    TMA)
+    q_src = common.head_tile_source(Q, batch, head, stride_qb, stride_qh, N, stride_qn, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
     q = common.load_block(q_src, start_m, rows, N, stride_qn, HEAD_DIM, BLOCK_D, TMA)
     acc_dtype = STATS.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
@@ -90,8 +89,7 @@ def _forward_kernel(
             qk_scale, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, HAS_KEY_MASK, TMA, False,
         )
 
-    o_src = common.tile_source(common.head_pointer(O, batch, head, stride_ob, stride_oh), N, stride_on, HEAD_DIM,
-                               BLOCK_M, BLOCK_D, TMA)
+    o_src = common.head_tile_source(O, batch, head, stride_ob, stride_oh, N, stride_on, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
     if HAS_KEY_MASK:
         seen = row_sum > 0
         row_sum = tl.where(seen, row_sum, 1.0)

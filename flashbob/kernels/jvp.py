@@ -105,10 +105,9 @@ def _o_dot_kernel(
     ``TMA`` (the ``"tma"`` variant): as in the forward."""
     start_m, rows, batch_head, batch, head, kv_head, key_mask_base = common.query_block(heads, group, KEY_MASK, M, BLOCK_M)
 
-    q_src = common.tile_source(common.head_pointer(Q, batch, head, stride_qb, stride_qh), N, stride_qn, HEAD_DIM,
-                               BLOCK_M, BLOCK_D, TMA)
-    q_dot_src = common.tile_source(common.head_pointer(Q_DOT, batch, head, stride_qdb, stride_qdh), N, stride_qdn,
-                                   HEAD_DIM, BLOCK_M, BLOCK_D, TMA and HAS_Q_DOT)
+    q_src = common.head_tile_source(Q, batch, head, stride_qb, stride_qh, N, stride_qn, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+    q_dot_src = common.head_tile_source(Q_DOT, batch, head, stride_qdb, stride_qdh, N, stride_qdn, HEAD_DIM, BLOCK_M,
+                                        BLOCK_D, TMA and HAS_Q_DOT)
     q = common.load_block(q_src, start_m, rows, N, stride_qn, HEAD_DIM, BLOCK_D, TMA)
     q_dot = common.optional_block(q_dot_src, start_m, rows, N, stride_qdn, q, HEAD_DIM, BLOCK_D, PRESENT=HAS_Q_DOT,
                                   TMA=TMA)
@@ -116,12 +115,11 @@ def _o_dot_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
     r_rounded = tl.zeros([BLOCK_M], dtype=acc_dtype)
     row_max, log_sum = common.load_softmax_stats(common.softmax_stats_pointer(STATS, batch_head, N), rows, N)
-    k_base, v_base, k_dot_base, v_dot_base = common.head_pointers(K, V, K_DOT, V_DOT, batch, kv_head, stride_kb,
+    k_src, v_src, k_dot_src, v_dot_src = common.head_tile_sources(K, V, K_DOT, V_DOT, batch, kv_head, stride_kb,
                                                                   stride_kh, stride_vb, stride_vh, stride_kdb,
-                                                                  stride_kdh, stride_vdb, stride_vdh)
-    k_src, v_src, k_dot_src, v_dot_src = common.tile_sources(k_base, v_base, k_dot_base, v_dot_base, M, stride_kn,
-                                                             stride_vn, stride_kdn, stride_vdn, HEAD_DIM, BLOCK_N,
-                                                             BLOCK_D, HAS_K_DOT, HAS_V_DOT, TMA)
+                                                                  stride_kdh, stride_vdb, stride_vdh, M, stride_kn,
+                                                                  stride_vn, stride_kdn, stride_vdn, HEAD_DIM, BLOCK_N,
+                                                                  BLOCK_D, HAS_K_DOT, HAS_V_DOT, TMA)
     unmasked_end, end = common.row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
     whole_end = common.whole_block_end(unmasked_end, BLOCK_N, TMA)
     if TMA:
@@ -143,10 +141,9 @@ def _o_dot_kernel(
             key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION,
             HAS_KEY_MASK, TMA, False,
         )
-    o_src = common.tile_source(common.head_pointer(O, batch, head, stride_ob, stride_oh), N, stride_on, HEAD_DIM,
-                               BLOCK_M, BLOCK_D, TMA)
-    o_dot_src = common.tile_source(common.head_pointer(O_DOT, batch, head, stride_odb, stride_odh), N, stride_odn,
-                                   HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+    o_src = common.head_tile_source(O, batch, head, stride_ob, stride_oh, N, stride_on, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+    o_dot_src = common.head_tile_source(O_DOT, batch, head, stride_odb, stride_odh, N, stride_odn, HEAD_DIM, BLOCK_M,
+                                        BLOCK_D, TMA)
     o = common.load_block(o_src, start_m, rows, N, stride_on, HEAD_DIM, BLOCK_D, TMA)
     common.store_block(o_dot_src, acc - r_rounded[:, None] * o.to(acc_dtype), start_m, rows, N, stride_odn, HEAD_DIM,
                        BLOCK_D, TMA)
@@ -210,24 +207,23 @@ def _row_scalars_kernel(
     r_dot = tl.zeros([BLOCK_M], dtype=acc_dtype)
     delta_dot = tl.zeros([BLOCK_M], dtype=acc_dtype)
     if HAS_Q_DOT or HAS_K_DOT or HAS_V_DOT:
-        q_src = common.tile_source(common.head_pointer(Q, batch, head, stride_qb, stride_qh), N, stride_qn, HEAD_DIM,
-                                   BLOCK_M, BLOCK_D, TMA)
-        q_dot_src = common.tile_source(common.head_pointer(Q_DOT, batch, head, stride_qdb, stride_qdh), N, stride_qdn,
-                                       HEAD_DIM, BLOCK_M, BLOCK_D, TMA and HAS_Q_DOT)
-        do_src = common.tile_source(common.head_pointer(DO, batch, head, stride_dob, stride_doh), N, stride_don,
-                                    HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+        q_src = common.head_tile_source(Q, batch, head, stride_qb, stride_qh, N, stride_qn, HEAD_DIM, BLOCK_M, BLOCK_D,
+                                        TMA)
+        q_dot_src = common.head_tile_source(Q_DOT, batch, head, stride_qdb, stride_qdh, N, stride_qdn, HEAD_DIM,
+                                            BLOCK_M, BLOCK_D, TMA and HAS_Q_DOT)
+        do_src = common.head_tile_source(DO, batch, head, stride_dob, stride_doh, N, stride_don, HEAD_DIM, BLOCK_M,
+                                         BLOCK_D, TMA)
         q = common.load_block(q_src, start_m, rows, N, stride_qn, HEAD_DIM, BLOCK_D, TMA)
         q_dot = common.optional_block(q_dot_src, start_m, rows, N, stride_qdn, q, HEAD_DIM, BLOCK_D,
                                       PRESENT=HAS_Q_DOT, TMA=TMA)
         do = common.load_block(do_src, start_m, rows, N, stride_don, HEAD_DIM, BLOCK_D, TMA)
         row_max, log_sum = common.load_softmax_stats(common.softmax_stats_pointer(STATS, batch_head, N), rows, N)
         delta = common.load_rows(common.row_vector_pointer(DELTA, batch_head, N), rows, N)
-        k_base, v_base, k_dot_base, v_dot_base = common.head_pointers(K, V, K_DOT, V_DOT, batch, kv_head, stride_kb,
+        k_src, v_src, k_dot_src, v_dot_src = common.head_tile_sources(K, V, K_DOT, V_DOT, batch, kv_head, stride_kb,
                                                                       stride_kh, stride_vb, stride_vh, stride_kdb,
-                                                                      stride_kdh, stride_vdb, stride_vdh)
-        k_src, v_src, k_dot_src, v_dot_src = common.tile_sources(k_base, v_base, k_dot_base, v_dot_base, M, stride_kn,
-                                                                 stride_vn, stride_kdn, stride_vdn, HEAD_DIM, BLOCK_N,
-                                                                 BLOCK_D, HAS_K_DOT, HAS_V_DOT, TMA)
+                                                                      stride_kdh, stride_vdb, stride_vdh, M, stride_kn,
+                                                                      stride_vn, stride_kdn, stride_vdn, HEAD_DIM,
+                                                                      BLOCK_N, BLOCK_D, HAS_K_DOT, HAS_V_DOT, TMA)
         unmasked_end, end = common.row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
         whole_end = common.whole_block_end(unmasked_end, BLOCK_N, TMA)
         if TMA:
@@ -250,10 +246,10 @@ def _row_scalars_kernel(
                 HAS_KEY_MASK, TMA, False,
             )
     if HAS_DO_DOT:
-        o_src = common.tile_source(common.head_pointer(O, batch, head, stride_ob, stride_oh), N, stride_on, HEAD_DIM,
-                                   BLOCK_M, BLOCK_D, TMA)
-        do_dot_src = common.tile_source(common.head_pointer(DO_DOT, batch, head, stride_dodb, stride_dodh), N,
-                                        stride_dodn, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+        o_src = common.head_tile_source(O, batch, head, stride_ob, stride_oh, N, stride_on, HEAD_DIM, BLOCK_M, BLOCK_D,
+                                        TMA)
+        do_dot_src = common.head_tile_source(DO_DOT, batch, head, stride_dodb, stride_dodh, N, stride_dodn, HEAD_DIM,
+                                             BLOCK_M, BLOCK_D, TMA)
         o = common.load_block(o_src, start_m, rows, N, stride_on, HEAD_DIM, BLOCK_D, TMA)
         do_dot = common.load_block(do_dot_src, start_m, rows, N, stride_dodn, HEAD_DIM, BLOCK_D, TMA)
         delta_dot += tl.sum(do_dot.to(acc_dtype) * o.to(acc_dtype), 1)
@@ -316,12 +312,11 @@ def _dq_dot_kernel(
     from the first sweep; key blocks split as in the forward, ``TMA`` (the ``"tma"`` variant) as there."""
     start_m, rows, batch_head, batch, head, kv_head, key_mask_base = common.query_block(heads, group, KEY_MASK, M, BLOCK_M)
 
-    q_base, do_base, q_dot_base, do_dot_base = common.head_pointers(Q, DO, Q_DOT, DO_DOT, batch, head, stride_qb,
+    q_src, do_src, q_dot_src, do_dot_src = common.head_tile_sources(Q, DO, Q_DOT, DO_DOT, batch, head, stride_qb,
                                                                     stride_qh, stride_dob, stride_doh, stride_qdb,
-                                                                    stride_qdh, stride_dodb, stride_dodh)
-    q_src, do_src, q_dot_src, do_dot_src = common.tile_sources(q_base, do_base, q_dot_base, do_dot_base, N, stride_qn,
-                                                               stride_don, stride_qdn, stride_dodn, HEAD_DIM, BLOCK_M,
-                                                               BLOCK_D, HAS_Q_DOT, HAS_DO_DOT, TMA)
+                                                                    stride_qdh, stride_dodb, stride_dodh, N, stride_qn,
+                                                                    stride_don, stride_qdn, stride_dodn, HEAD_DIM,
+                                                                    BLOCK_M, BLOCK_D, HAS_Q_DOT, HAS_DO_DOT, TMA)
     q, do, q_dot, do_dot = common.load_tile_group(q_src, do_src, q_dot_src, do_dot_src, start_m, rows, N, stride_qn,
                                                   stride_don, stride_qdn, stride_dodn, HEAD_DIM, BLOCK_D, HAS_Q_DOT,
                                                   HAS_DO_DOT, TMA)
@@ -331,12 +326,11 @@ def _dq_dot_kernel(
     delta_dot = common.load_rows(common.row_vector_pointer(DELTA_DOT, batch_head, N), rows, N)
     dq_dot = tl.zeros([BLOCK_M, BLOCK_D], dtype=DELTA.dtype.element_ty)
 
-    k_base, v_base, k_dot_base, v_dot_base = common.head_pointers(K, V, K_DOT, V_DOT, batch, kv_head, stride_kb,
+    k_src, v_src, k_dot_src, v_dot_src = common.head_tile_sources(K, V, K_DOT, V_DOT, batch, kv_head, stride_kb,
                                                                   stride_kh, stride_vb, stride_vh, stride_kdb,
-                                                                  stride_kdh, stride_vdb, stride_vdh)
-    k_src, v_src, k_dot_src, v_dot_src = common.tile_sources(k_base, v_base, k_dot_base, v_dot_base, M, stride_kn,
-                                                             stride_vn, stride_kdn, stride_vdn, HEAD_DIM, BLOCK_N,
-                                                             BLOCK_D, HAS_K_DOT, HAS_V_DOT, TMA)
+                                                                  stride_kdh, stride_vdb, stride_vdh, M, stride_kn,
+                                                                  stride_vn, stride_kdn, stride_vdn, HEAD_DIM, BLOCK_N,
+                                                                  BLOCK_D, HAS_K_DOT, HAS_V_DOT, TMA)
     unmasked_end, end = common.row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
     whole_end = common.whole_block_end(unmasked_end, BLOCK_N, TMA)
     if TMA:
@@ -359,8 +353,8 @@ def _dq_dot_kernel(
             key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION,
             HAS_KEY_MASK, TMA, False,
         )
-    dq_dot_src = common.tile_source(common.head_pointer(DQ_DOT, batch, head, stride_dqdb, stride_dqdh), N, stride_dqdn,
-                                    HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+    dq_dot_src = common.head_tile_source(DQ_DOT, batch, head, stride_dqdb, stride_dqdh, N, stride_dqdn, HEAD_DIM,
+                                         BLOCK_M, BLOCK_D, TMA)
     common.store_block(dq_dot_src, dq_dot * scale, start_m, rows, N, stride_dqdn, HEAD_DIM, BLOCK_D, TMA)
 
 
@@ -439,12 +433,11 @@ def _dk_dot_dv_dot_kernel(
     acc_dtype = DELTA.dtype.element_ty
     dk_dot = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
     dv_dot = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
-    k_base, v_base, k_dot_base, v_dot_base = common.head_pointers(K, V, K_DOT, V_DOT, batch, kv_head, stride_kb,
+    k_src, v_src, k_dot_src, v_dot_src = common.head_tile_sources(K, V, K_DOT, V_DOT, batch, kv_head, stride_kb,
                                                                   stride_kh, stride_vb, stride_vh, stride_kdb,
-                                                                  stride_kdh, stride_vdb, stride_vdh)
-    k_src, v_src, k_dot_src, v_dot_src = common.tile_sources(k_base, v_base, k_dot_base, v_dot_base, M, stride_kn,
-                                                             stride_vn, stride_kdn, stride_vdn, HEAD_DIM, BLOCK_N,
-                                                             BLOCK_D, HAS_K_DOT, HAS_V_DOT, TMA)
+                                                                  stride_kdh, stride_vdb, stride_vdh, M, stride_kn,
+                                                                  stride_vn, stride_kdn, stride_vdn, HEAD_DIM, BLOCK_N,
+                                                                  BLOCK_D, HAS_K_DOT, HAS_V_DOT, TMA)
     k, v, k_dot, v_dot = common.load_tile_group(k_src, v_src, k_dot_src, v_dot_src, start_n, keys, M, stride_kn,
                                                 stride_vn, stride_kdn, stride_vdn, HEAD_DIM, BLOCK_D, HAS_K_DOT,
                                                 HAS_V_DOT, TMA)
@@ -475,11 +468,11 @@ def _dk_dot_dv_dot_kernel(
             HAS_V_DOT, HAS_DO_DOT, PRECISION, HAS_KEY_MASK, TMA,
         )
 
-    dk_dot_src = common.tile_source(common.head_pointer(DK_DOT, batch, kv_head, stride_dkdb, stride_dkdh), M,
-                                    stride_dkdn, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    dk_dot_src = common.head_tile_source(DK_DOT, batch, kv_head, stride_dkdb, stride_dkdh, M, stride_dkdn, HEAD_DIM,
+                                         BLOCK_N, BLOCK_D, TMA)
     common.store_block(dk_dot_src, dk_dot * scale, start_n, keys, M, stride_dkdn, HEAD_DIM, BLOCK_D, TMA)
-    dv_dot_src = common.tile_source(common.head_pointer(DV_DOT, batch, kv_head, stride_dvdb, stride_dvdh), M,
-                                    stride_dvdn, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    dv_dot_src = common.head_tile_source(DV_DOT, batch, kv_head, stride_dvdb, stride_dvdh, M, stride_dvdn, HEAD_DIM,
+                                         BLOCK_N, BLOCK_D, TMA)
     common.store_block(dv_dot_src, dv_dot, start_n, keys, M, stride_dvdn, HEAD_DIM, BLOCK_D, TMA)
 
 
