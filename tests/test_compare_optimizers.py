@@ -27,7 +27,7 @@ def test_compare_optimizers_writes_csv_plots_and_table(tmp_path: Path) -> None:
         "--out-dir", str(tmp_path / "runs"), "--docs", str(tmp_path / "docs"), *MICRO,
     ]  # fmt: skip
     done = subprocess.run(command, check=False, cwd=ROOT, env=child_environment(),
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
 
     with open(tmp_path / "docs" / "optimizer_comparison.csv", newline="") as f:

@@ -79,10 +79,10 @@ def test_the_pipeline_sweeps_compares_summarises_and_resumes(tmp_path, monkeypat
         assert len({r["planned_steps"] for r in curve}) == 1
     adamw, newton = curves[("adamw", best["adamw"]["setting"], 1)], curves[("newtoncg", best["newtoncg"]["setting"], 1)]
     # AdamW's schedule fills 97% of the budget at its calibrated step time; NewtonCG's lr is constant and the
-    # budget (train.max_seconds) ends it long before its planned steps
+    # budget (train.max_seconds) ends it before the 10x its calibrated step time plans
     assert adamw[0]["planned_steps"] == 1 + math.floor(et.SCHEDULE_FILL * BUDGET_S / step_s["adamw"])
+    assert newton[0]["planned_steps"] == 1 + math.ceil(et.CONSTANT_LR_STEPS * BUDGET_S / step_s["newtoncg"])
     assert newton[-1]["end"] == "budget" and newton[-1]["train_s"] >= BUDGET_S
-    assert newton[-1]["step"] < newton[-1]["planned_steps"] / 5
     for plot in ("tokens", "time"):
         assert (docs / f"equal_time_{plot}.png").stat().st_size > 0
 

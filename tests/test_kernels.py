@@ -266,6 +266,7 @@ def test_rectangular_tiles(gen, block_m, block_n, causal):
 
 
 TMA_KERNELS = tuple(kernel for kernel in configs.KERNELS if "tma" in configs.VARIANTS[kernel])
+DEFAULT_TMA = ("forward", "dq", "dkdv", "bob_scalars", "bob_q_bar", "bob_do_bar")
 
 
 def tma_runs(inputs) -> bool:
@@ -278,29 +279,32 @@ def tma_runs(inputs) -> bool:
 @pytest.mark.parametrize("shape,tiles", [((1, 2, 2, 17, 33, 16), (16, 16)), ((2, 4, 2, 45, 17, 40), (16, 32)),
                                          ((1, 2, 1, 40, 40, 32), (32, 16))],
                          ids=["N17M33", "gqa-N45M17-d40", "N40-rect"])
-def test_tma_variant_matches_reference(gen, shape, tiles, causal):
-    """The opt-in "tma" variant of forward, dQ, dK/dV and BoB's four sweeps (tiles through tensor descriptors,
-    whole key blocks of the row kernels unmasked) against the float64 oracle: odd N != M, GQA, padded head_dim,
-    rectangular tiles. The interpreter emulates tensor descriptors, so the variant itself runs here, not its
-    fallback."""
+@pytest.mark.parametrize("variant", ["base", "tma"])
+def test_each_variant_matches_reference(gen, shape, tiles, causal, variant):
+    """Both code paths of forward, dQ, dK/dV and BoB's four sweeps against the float64 oracle, whichever is a
+    kernel's default: the base one, and "tma" (tiles through tensor descriptors, whole key blocks of the row
+    kernels unmasked): odd N != M, GQA, padded head_dim, rectangular tiles. The interpreter emulates tensor
+    descriptors, so the "tma" variant itself runs here, not its fallback."""
     inputs = make_inputs(gen, shape, EXACT)
     assert tma_runs(inputs), "the variant would fall back: this test would not test it"
     scale = shape[-1] ** -0.5
-    with configs.override(block_m=tiles[0], block_n=tiles[1], variant="tma"):
+    with configs.override(block_m=tiles[0], block_n=tiles[1], variant=variant):
         outputs = run_kernels(inputs, COTANGENTS, causal=causal, scale=scale)
     assert_matches_reference(outputs, inputs, COTANGENTS, causal=causal, scale=scale, tolerance=TOLERANCE[EXACT])
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_tma_variant_with_key_mask(gen, causal):
-    """The variant's unmasked whole key blocks still apply the key-padding mask (batch element 1 masks its
-    first five keys, so that with the causal mask its first rows see no key and get zeros)."""
+@pytest.mark.parametrize("variant", ["base", "tma"])
+def test_each_variant_with_key_mask(gen, causal, variant):
+    """The key-padding mask in both code paths (the "tma" variant's unmasked whole key blocks still apply it):
+    batch element 1 masks its first five keys, so that with the causal mask its first rows see no key and get
+    zeros."""
     shape = (2, 2, 1, 37, 37, 16)
     inputs = make_inputs(gen, shape, EXACT)
     key_mask = torch.rand(2, 37, generator=gen) > 0.4
     key_mask[1, :5] = False
     key_mask = key_mask.to(DEVICE)
-    with configs.override(block_m=16, block_n=16, variant="tma"):
+    with configs.override(block_m=16, block_n=16, variant=variant):
         outputs = run_kernels(inputs, COTANGENTS, causal=causal, scale=0.25, key_mask=key_mask)
     refs = run_reference(inputs, COTANGENTS, causal=causal, scale=0.25, key_mask=key_mask)
     refs.pop("lse")  # +inf in the rows that see no key
@@ -331,6 +335,10 @@ def test_kernel_variant_environment_switch(gen, monkeypatch):
 
     monkeypatch.setattr(configs, "variant_for", recorded)
     inputs = make_inputs(gen, (1, 2, 1, 21, 18, 16), EXACT)
+    with configs.override(block_m=16, block_n=16):  # unset: each kernel's default
+        run_kernels(inputs, COTANGENTS, causal=True, scale=0.25)
+    assert {kernel for kernel, variant in ran if variant == "tma"} == set(DEFAULT_TMA)
+    ran.clear()
     monkeypatch.setenv("FLASHBOB_KERNEL_VARIANT", "tma")
     with configs.override(block_m=16, block_n=16):
         outputs = run_kernels(inputs, COTANGENTS, causal=True, scale=0.25)
@@ -372,11 +380,14 @@ def test_tma_variant_falls_back_to_the_base_code(gen, monkeypatch):
     assert_matches_reference(outputs, inputs, COTANGENTS, causal=True, scale=0.3, tolerance=TOLERANCE[EXACT])
 
 
-def test_variants_are_opt_in():
-    """No variant is a default or a tuning candidate; an unknown variant name is an error."""
+def test_default_variants():
+    """Candidates name no variant (they run the kernel's default); "tma" is the default of the first-order kernels
+    and BoB's row sweeps, "base" of the rest; an unknown variant name is an error."""
     for kernel in configs.KERNELS:
-        assert all(c.variant == "base" for c in configs.candidates(kernel, 64, torch.bfloat16, 4096)), kernel
-    assert configs.VARIANTS["forward"] == ("base", "tma")
+        assert all(c.variant is None for c in configs.candidates(kernel, 64, torch.bfloat16, 4096)), kernel
+    assert {kernel for kernel in configs.KERNELS if configs.VARIANTS[kernel][0] == "tma"} == set(DEFAULT_TMA)
+    assert configs.VARIANTS["forward"] == ("tma", "base") and configs.VARIANTS["bob_cols"] == ("base", "tma")
+    assert configs.VARIANTS["delta"] == ("base",)
     with pytest.raises(ValueError, match="unknown variant 'tmaa'"):
         with configs.override(variant="tmaa"):
             pass

@@ -17,11 +17,17 @@ picks in the cache (benchmarks/tune_table.py); ``defaults`` uses the defaults wh
 hold (to time them against the tuned ones). Inside :func:`override`, and in Triton's interpreter, the
 default is used. A configuration the compiler rejects gives way to the next candidate.
 
+Variants: a kernel may have code paths besides the base one (``"tma"``: tiles through tensor descriptors,
+TMA on Hopper). ``spaces.json`` names each kernel's variants and its default one, which a configuration
+without a variant runs (candidates, tuning, table and cache entries of four numbers); an entry of five, or
+``override(variant=...)``, names one. Where tensor descriptors cannot address the operands (a GPU before
+Hopper, unaligned strides) ``"tma"`` falls back to the base code with the same tiles (:func:`variant_for`).
+
 ``FLASHBOB_KERNEL_VARIANT`` (:func:`forced_variant`): unset, each launch runs its configuration's variant;
 a variant's name (``base``, ``tma``), every kernel that has that variant runs it, whatever the
 configuration says (``override(variant=...)`` still wins), e.g. to run a whole program or the test suite
-on the opt-in variant before it becomes a default. A key tuned while it is set is timed with the variant
-and its tiles are cached like any other pick.
+on one variant. A key tuned while it is set is timed with the variant and its tiles are cached like any
+other pick.
 """
 
 from __future__ import annotations
@@ -48,32 +54,36 @@ class BlockConfig:
 
     ``block_m`` is the number of query rows and ``block_n`` the number of key rows of a tile (the
     outer block of row kernels is ``block_m``, of column kernels ``block_n``). ``variant`` names the code
-    path: ``"base"``, or one of the opt-in variants that ``spaces.json`` lists for the kernel (``"tma"``:
-    tiles read and written through tensor descriptors, TMA on Hopper; :func:`variant_for`).
+    path: ``"base"`` or one that ``spaces.json`` lists for the kernel (``"tma"``: tiles read and written
+    through tensor descriptors, TMA on Hopper); ``None``, the kernel's default (:func:`variant_for`).
     """
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
-    variant: str = "base"
+    variant: str | None = None
 
 
 def _load_spaces() -> tuple[dict[str, tuple[BlockConfig, ...]], dict[str, tuple[int, int, int, int]],
                              dict[str, tuple[str, ...]]]:
-    """The candidates, footprint and variants (``"base"`` first) of every kernel from ``spaces.json`` beside
+    """The candidates, footprint and variants (its default first) of every kernel from ``spaces.json`` beside
     this module."""
     table = json.loads((Path(__file__).with_name("spaces.json")).read_text())
     spaces = {kernel: tuple(BlockConfig(*c) for c in entry["candidates"]) for kernel, entry in table.items()}
-    variants = {kernel: ("base", *entry.get("variants", ())) for kernel, entry in table.items()}
+    variants = {}
+    for kernel, entry in table.items():
+        default = entry.get("default_variant", "base")
+        variants[kernel] = (default, *(name for name in ("base", *entry.get("variants", ())) if name != default))
     return spaces, {kernel: tuple(entry["footprint"]) for kernel, entry in table.items()}, variants
 
 
 # Candidates per kernel for 16-bit inputs, the first one that fits being the default (no tuning), and each
 # kernel's footprint: live tiles per program, as (accumulators over the outer block, 16-bit input tiles over
 # the outer block, score-shaped tiles block_m x block_n, tiles streamed per loop step over the inner block).
-# spaces.json says where the defaults come from. A kernel's opt-in variants (VARIANTS, after "base") are never
-# defaults nor tuned: a table or cache entry, or override(variant=...), selects one.
+# spaces.json says where the defaults come from. VARIANTS: each kernel's code paths, its default first (what a
+# configuration without a variant runs, tuned ones included); a table or cache entry, or override(variant=...),
+# may name another.
 SPACES, _FOOTPRINT, VARIANTS = _load_spaces()
 KERNELS = tuple(SPACES)
 
@@ -187,20 +197,20 @@ def _tuning_key(kernel: str, head_dim: int, dtype: torch.dtype, length: int,
 
 def config_tuple(config: BlockConfig) -> tuning.Config:
     """``config`` as tables and caches hold it: ``(block_m, block_n, num_warps, num_stages)``, with the variant
-    appended unless it is ``"base"``."""
+    appended if it names one (none: the kernel's default)."""
     values = dataclasses.astuple(config)
-    return values[:4] if config.variant == "base" else values
+    return values[:4] if config.variant is None else values
 
 
 def pick(key: tuning.Key, space: tuple[BlockConfig, ...], gpu: str | None, mode: str,
          run: Callable[[BlockConfig], None]) -> Pick:
     """The configuration of a launch with ``key`` among the candidates ``space`` on ``gpu`` (None: not a GPU,
     only the default) in tuning ``mode`` (:func:`tuning_mode`), by the order of this module's docstring;
-    ``run(config)`` launches the kernel, for tuning. A cache or table entry may also name a candidate in
-    one of the kernel's opt-in variants; tuning times the base candidates only."""
+    ``run(config)`` launches the kernel, for tuning. A cache or table entry may also name a candidate's
+    variant; tuning times the candidates in the kernel's default variant."""
     tuned = [config_tuple(config) for config in space]
     allowed = tuned + [config_tuple(dataclasses.replace(config, variant=variant)) for config in space
-                       for variant in VARIANTS.get(key.kernel, ("base",))[1:]]
+                       for variant in VARIANTS.get(key.kernel, ("base",))]
     if gpu is not None and mode in ("on", "off"):
         cached = tuning.read_cache(gpu, key)
         if cached in allowed:
@@ -253,14 +263,16 @@ def _fallback_order(first: BlockConfig, space: tuple[BlockConfig, ...]) -> Itera
 
 
 def variant_for(kernel: str, config: BlockConfig, descriptors: tuple[torch.Tensor, ...]) -> str:
-    """The variant that a launch of ``kernel`` with ``config`` runs: ``config.variant`` if the kernel has it
-    and, for ``"tma"``, if :func:`descriptors_usable` holds for the ``descriptors`` operands; else ``"base"``
-    (the same outputs, the same tiles; :func:`override` may name a variant that other kernels lack)."""
-    if config.variant not in VARIANTS[kernel]:
+    """The variant that a launch of ``kernel`` with ``config`` runs: ``config.variant`` (``None``: the kernel's
+    default) if the kernel has it and, for ``"tma"``, if :func:`descriptors_usable` holds for the
+    ``descriptors`` operands; else ``"base"`` (the same outputs, the same tiles; :func:`override` may name a
+    variant that other kernels lack)."""
+    variant = config.variant or VARIANTS[kernel][0]
+    if variant not in VARIANTS[kernel]:
         return "base"
-    if config.variant == "tma" and not descriptors_usable(descriptors):
+    if variant == "tma" and not descriptors_usable(descriptors):
         return "base"
-    return config.variant
+    return variant
 
 
 def descriptors_usable(tensors: tuple[torch.Tensor, ...]) -> bool:

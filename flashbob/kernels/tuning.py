@@ -105,15 +105,15 @@ def gpu_file_name(gpu: str) -> str:
 
 
 def _config(value: Any) -> Config:
-    """``value`` as a configuration: four positive integers, optionally followed by the name of an opt-in
-    variant (``configs.BlockConfig``; ``"base"``, the kernels' usual code, is the same as none); raises
-    ValueError or TypeError otherwise."""
+    """``value`` as a configuration: four positive integers, optionally followed by the name of a
+    variant (``configs.BlockConfig``; none: the kernel's default variant); raises ValueError or TypeError
+    otherwise."""
     if (not isinstance(value, list) or len(value) not in (4, 5)
             or not all(isinstance(x, int) and x > 0 for x in value[:4])
             or (len(value) == 5 and not isinstance(value[4], str))):
         raise ValueError(f"a configuration is 4 positive integers (block_m, block_n, num_warps, num_stages) and "
                          f"optionally a variant name, got {value!r}")
-    return tuple(value[:4]) if value[4:] == ["base"] else tuple(value)
+    return tuple(value)
 
 
 # ----------------------------------------------------------------------------- shipped tables
