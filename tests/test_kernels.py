@@ -255,6 +255,19 @@ def test_config_override_is_scoped():
     assert configs.choose("forward", 64, torch.float16) == before
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_kernels_run_on_the_operands_gpu(gen, causal):
+    """Operands on cuda:1 while cuda:0 is current: Triton launches on the current device, so the launcher makes
+    the operands' one current; all ten outputs match the oracle and stay on cuda:1, cuda:0 stays current."""
+    inputs = {name: x.to("cuda:1") for name, x in make_inputs(gen, (1, 4, 2, 45, 33, 64), EXACT).items()}
+    with torch.cuda.device(0):
+        outputs = run_kernels(inputs, COTANGENTS, causal=causal, scale=0.125)
+        assert torch.cuda.current_device() == 0
+    assert all(x.device == torch.device("cuda:1") for x in outputs.values())
+    assert_matches_reference(outputs, inputs, COTANGENTS, causal=causal, scale=0.125, tolerance=TOLERANCE[EXACT])
+
+
 @pytest.mark.parametrize("block_m,block_n", [(16, 64), (64, 16)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_rectangular_tiles(gen, block_m, block_n, causal):

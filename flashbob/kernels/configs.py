@@ -231,8 +231,19 @@ def launch(kernel: str, jit_fn, grid, *args, head_dim: int, dtype: torch.dtype, 
     :func:`pick` gives its key (once per process), or the next candidate if the compiler finds that it needs
     more shared memory or registers than the GPU has; inside :func:`override`, with :func:`choose`'s.
     ``length`` is the sequence length that sizes the blocks (N for row kernels, M for column kernels).
-    A kernel with opt-in variants also takes ``TMA``; ``descriptors`` are the operands that its ``"tma"``
-    variant addresses through tensor descriptors (:func:`variant_for`)."""
+    A kernel with variants also takes ``TMA``; ``descriptors`` are the operands that its ``"tma"`` variant
+    addresses through tensor descriptors (:func:`variant_for`). Triton launches on the current device: on
+    another GPU than the operands', the launch (and any tuning) runs with theirs made current."""
+    device = _cuda_index(args)
+    if device is not None and device != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            _launch(kernel, jit_fn, grid, args, head_dim, dtype, length, descriptors, constants)
+    else:
+        _launch(kernel, jit_fn, grid, args, head_dim, dtype, length, descriptors, constants)
+
+
+def _launch(kernel: str, jit_fn, grid, args: tuple, head_dim: int, dtype: torch.dtype, length: int,
+            descriptors: tuple[torch.Tensor, ...], constants: dict) -> None:
     run = functools.partial(_run, kernel, jit_fn, grid, args, constants, descriptors=descriptors)
     if _overrides:
         run(choose(kernel, head_dim, dtype, length))
@@ -320,6 +331,14 @@ def _run(kernel: str, jit_fn, grid, args: tuple, constants: dict, config: BlockC
                  num_stages=config.num_stages)
 
 
+def _cuda_index(args: tuple) -> int | None:
+    """The index of the GPU that holds the first tensor of ``args``; None if it is not on a GPU."""
+    device = next((x.device for x in args if isinstance(x, torch.Tensor)), None)
+    if device is None or device.type != "cuda":
+        return None
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
 def _ensure_allocator() -> None:
     """Tensor descriptors made inside a kernel live in global scratch memory that Triton asks its allocator for;
     if this thread has none (Triton's default raises), give it one that takes the memory from torch."""
@@ -333,10 +352,8 @@ def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
 
 def _gpu(args: tuple) -> str | None:
     """The name of the GPU that holds the first tensor of ``args``; None if it is not on a GPU."""
-    device = next((x.device for x in args if isinstance(x, torch.Tensor)), None)
-    if device is None or device.type != "cuda":
-        return None
-    return _device_name(torch.cuda.current_device() if device.index is None else device.index)
+    index = _cuda_index(args)
+    return None if index is None else _device_name(index)
 
 
 @functools.cache
