@@ -83,9 +83,7 @@ def _dkdv_kernel(
     v = common.load_block(v_src, start_n, keys, M, stride_vn, HEAD_DIM, BLOCK_D, TMA)
 
     masked_end = common.column_block_masked_end(start_n, N, BLOCK_M, BLOCK_N, CAUSAL)
-    # not pipelined: where N == 1 Triton folds the query loop away and would pipeline this one instead,
-    # which its tensor descriptors (TMA) do not allow on sm_90
-    for member in tl.range(group, num_stages=1):
+    for member in tl.range(group, num_stages=1):  # never pipelined: common.group_query_head
         _, _, q_base, do_base, stats_base, delta_base = common.group_query_head(
             Q, DO, STATS, DELTA, batch, heads, kv_head, group, member, N, stride_qb, stride_qh, stride_dob, stride_doh)
         q_src = common.tile_source(q_base, N, stride_qn, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)

@@ -47,7 +47,11 @@ def group_query_head(
     Q, DO, STATS, DELTA, batch, heads, kv_head, group, member, N, stride_qb, stride_qh, stride_dob, stride_doh,
 ):
     """The ``member``-th of the ``group`` query heads that share ``kv_head``, as a column kernel reads it: the
-    ``head``, ``batch_head = batch * heads + head`` and the starts of its Q, dO, softmax statistics and delta."""
+    ``head``, ``batch_head = batch * heads + head`` and the starts of its Q, dO, softmax statistics and delta.
+
+    The column kernels loop over the members with ``tl.range(group, num_stages=1)``: never pipelined, because
+    where N == 1 Triton folds the query loop inside away and would pipeline this one instead, whose tensor
+    descriptors (the ``"tma"`` variant) its pipeliner cannot predicate on sm_90."""
     head = kv_head * group + member
     batch_head = batch * heads + head
     q_base = head_pointer(Q, batch, head, stride_qb, stride_qh)

@@ -443,9 +443,7 @@ def _dk_dot_dv_dot_kernel(
                                                 HAS_V_DOT, TMA)
 
     masked_end = common.column_block_masked_end(start_n, N, BLOCK_M, BLOCK_N, CAUSAL)
-    # not pipelined: where N == 1 Triton folds the query loop away and would pipeline this one instead,
-    # which its tensor descriptors (TMA) do not allow on sm_90
-    for member in tl.range(group, num_stages=1):
+    for member in tl.range(group, num_stages=1):  # never pipelined: common.group_query_head
         head, batch_head, q_base, do_base, stats_base, delta_base = common.group_query_head(
             Q, DO, STATS, DELTA, batch, heads, kv_head, group, member, N, stride_qb, stride_qh, stride_dob, stride_doh)
         q_dot_base = common.head_pointer(Q_DOT, batch, head, stride_qdb, stride_qdh)
