@@ -348,6 +348,7 @@ def test_kernel_variant_environment_switch(gen, monkeypatch):
 
     monkeypatch.setattr(configs, "variant_for", recorded)
     inputs = make_inputs(gen, (1, 2, 1, 21, 18, 16), EXACT)
+    monkeypatch.delenv("FLASHBOB_KERNEL_VARIANT", raising=False)
     with configs.override(block_m=16, block_n=16):  # unset: each kernel's default
         run_kernels(inputs, COTANGENTS, causal=True, scale=0.25)
     assert {kernel for kernel, variant in ran if variant == "tma"} == set(DEFAULT_TMA)
