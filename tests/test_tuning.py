@@ -249,22 +249,27 @@ def test_pick_order_cache_table_tune_default(folders):
         assert tuning.read_cache(GPU, key) == configs.config_tuple(space[5])
 
 
-def test_table_may_name_an_opt_in_variant_that_tuning_never_times(folders):
-    """A table entry [block_m, block_n, num_warps, num_stages, "tma"] selects the variant for its key; a variant
-    of a config that is no candidate, or one the kernel lacks, is ignored; tuning times base candidates only."""
+@pytest.mark.parametrize("kernel,other", [("forward", "base"), ("bob_cols", "tma")])
+def test_table_may_name_a_variant_other_than_the_default(folders, kernel, other):
+    """A table entry [block_m, block_n, num_warps, num_stages, variant] selects that variant for its key (here the
+    one that is not the kernel's default); an entry of four numbers, a tuned pick and the default run the
+    kernel's default variant; a variant the kernel lacks, or of a config that is no candidate, is ignored."""
     flags = {"CAUSAL": False, "HAS_KEY_MASK": False, "PRECISION": "ieee"}
-    key = configs.tuning_key("forward", 128, torch.bfloat16, 4096, {"HEAD_DIM": 128, "BLOCK_D": 128, **flags})
+    key = configs.tuning_key(kernel, 128, torch.bfloat16, 4096, {"HEAD_DIM": 128, "BLOCK_D": 128, **flags})
     space = space_of(key)
-    tma = dataclasses.replace(space[1], variant="tma")
-    write_table(folders, {key: tma})
-    assert json.loads(tuning.table_path(GPU).read_text())["entries"][0]["config"][-1] == "tma"
-    assert configs.pick(key, space, GPU, "off", lambda config: None) == configs.Pick(tma, "table")
+    named = dataclasses.replace(space[1], variant=other)
+    write_table(folders, {key: named})
+    assert json.loads(tuning.table_path(GPU).read_text())["entries"][0]["config"][-1] == other
+    assert configs.pick(key, space, GPU, "off", lambda config: None) == configs.Pick(named, "table")
+    write_table(folders, {key: space[1]})
+    picked = configs.pick(key, space, GPU, "off", lambda config: None)
+    assert picked == configs.Pick(space[1], "table") and picked.config.variant is None
     write_table(folders, {key: dataclasses.replace(space[1], variant="fast")})
     assert configs.pick(key, space, GPU, "off", lambda config: None) == configs.Pick(space[0], "default")
     clock = FakeClock(space, fastest=2)
     with tuning.timed_by(clock):
         assert configs.pick(key, space, GPU, "force", clock.run) == configs.Pick(space[2], "tuned")
-    assert sorted(clock.timed, key=space.index) == list(space)
+    assert sorted(clock.timed, key=space.index) == list(space) and all(c.variant is None for c in clock.timed)
 
 
 def test_single_candidate_is_not_timed(folders):
