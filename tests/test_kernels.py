@@ -368,6 +368,33 @@ def test_kernel_variant_environment_switch(gen, monkeypatch):
         run_kernels(inputs, COTANGENTS, causal=True, scale=0.25)
 
 
+class GpuOperand:
+    """What descriptors_usable reads of a contiguous (1, 2, 64, 64) bf16 operand on cuda:0, on any machine."""
+
+    device = torch.device("cuda", 0)
+
+    def stride(self, dim=None):
+        strides = (8192, 4096, 64, 1)
+        return strides if dim is None else strides[dim]
+
+    def data_ptr(self):
+        return 1 << 20
+
+    def element_size(self):
+        return 2
+
+
+@pytest.mark.parametrize("capability,hip,usable", [((9, 0), None, True), ((10, 0), None, True),
+                                                   ((8, 0), None, False), ((9, 4), "6.2", False)],
+                         ids=["hopper", "blackwell", "ampere", "rocm-mi300"])
+def test_descriptors_only_on_nvidia_hopper_and_later(monkeypatch, capability, hip, usable):
+    """Tensor descriptors on an NVIDIA GPU of compute capability 9 or more; on an older one, and on ROCm (whose
+    MI300 torch reports as capability 9.4), the "tma" variant falls back to the base code."""
+    monkeypatch.setattr(configs, "_compute_capability", lambda index: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    assert configs.descriptors_usable((GpuOperand(),)) is usable
+
+
 def test_tma_variant_falls_back_to_the_base_code(gen, monkeypatch):
     """Where tensor descriptors cannot address the operands (rows not a multiple of 16 bytes apart, a start
     that is not 16-byte aligned, a CPU tensor outside the interpreter) or the kernel has no such variant, the

@@ -287,13 +287,16 @@ def variant_for(kernel: str, config: BlockConfig, descriptors: tuple[torch.Tenso
 
 
 def descriptors_usable(tensors: tuple[torch.Tensor, ...]) -> bool:
-    """Whether tensor descriptors (TMA) can address every ``(B, H, rows, d)`` tensor of ``tensors``: on a GPU of
-    compute capability 9 or more (or in Triton's interpreter, which emulates them), with 16-byte aligned
-    starts, unit stride along d and 16-byte multiples for the other strides (what TMA requires)."""
+    """Whether tensor descriptors (TMA) can address every ``(B, H, rows, d)`` tensor of ``tensors``: on an NVIDIA
+    GPU of compute capability 9 or more (or in Triton's interpreter, which emulates them), with 16-byte aligned
+    starts, unit stride along d and 16-byte multiples for the other strides (what TMA requires). ROCm GPUs,
+    which torch also calls ``cuda``, run the base code."""
     if not tensors:
         return False
     device = tensors[0].device
     if device.type == "cuda":
+        if torch.version.hip is not None:
+            return False
         if _compute_capability(torch.cuda.current_device() if device.index is None else device.index)[0] < 9:
             return False
     elif os.environ.get("TRITON_INTERPRET", "0") != "1":
