@@ -99,12 +99,10 @@ def _dkdv_kernel(
             qk_scale, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, False, PRECISION, HAS_KEY_MASK, TMA,
         )
 
-    dk_src = common.head_tile_source(DK, batch, kv_head, stride_dkb, stride_dkh, M, stride_dkn, HEAD_DIM, BLOCK_N,
-                                     BLOCK_D, TMA)
-    common.store_block(dk_src, dk * scale, start_n, keys, M, stride_dkn, HEAD_DIM, BLOCK_D, TMA)
-    dv_src = common.head_tile_source(DV, batch, kv_head, stride_dvb, stride_dvh, M, stride_dvn, HEAD_DIM, BLOCK_N,
-                                     BLOCK_D, TMA)
-    common.store_block(dv_src, dv, start_n, keys, M, stride_dvn, HEAD_DIM, BLOCK_D, TMA)
+    common.store_head_block(DK, dk * scale, batch, kv_head, stride_dkb, stride_dkh, start_n, keys, M, stride_dkn,
+                            HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    common.store_head_block(DV, dv, batch, kv_head, stride_dvb, stride_dvh, start_n, keys, M, stride_dvn, HEAD_DIM,
+                            BLOCK_N, BLOCK_D, TMA)
 
 
 @triton.jit
@@ -170,9 +168,8 @@ def _dq_kernel(
             dq, q, do, row_max, log_sum, delta, k_src, v_src, stride_kn, stride_vn, rows, unmasked_end, end, M,
             qk_scale, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, HAS_KEY_MASK, TMA, False,
         )
-    dq_src = common.head_tile_source(DQ, batch, head, stride_dqb, stride_dqh, N, stride_dqn, HEAD_DIM, BLOCK_M, BLOCK_D,
-                                     TMA)
-    common.store_block(dq_src, dq * scale, start_m, rows, N, stride_dqn, HEAD_DIM, BLOCK_D, TMA)
+    common.store_head_block(DQ, dq * scale, batch, head, stride_dqb, stride_dqh, start_m, rows, N, stride_dqn, HEAD_DIM,
+                            BLOCK_M, BLOCK_D, TMA)
 
 
 def backward(

@@ -243,9 +243,8 @@ def _bob_rows_kernel(
     else:
         if SWEEP == "bob_q_bar":
             acc = acc * scale
-        out_src = common.head_tile_source(OUT, batch, head, stride_outb, stride_outh, N, stride_outn, HEAD_DIM, BLOCK_M,
-                                          BLOCK_D, TMA)
-        common.store_block(out_src, acc, start_m, rows, N, stride_outn, HEAD_DIM, BLOCK_D, TMA)
+        common.store_head_block(OUT, acc, batch, head, stride_outb, stride_outh, start_m, rows, N, stride_outn,
+                                HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
 
 
 # ----------------------------------------------------------------------------- column sweep
@@ -351,12 +350,10 @@ def _bob_columns_kernel(
             HAS_DK_BAR=HAS_DK_BAR, HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK, TMA=TMA,
         )
 
-    k_bar_src = common.head_tile_source(K_BAR, batch, kv_head, stride_kbb, stride_kbh, M, stride_kbn, HEAD_DIM, BLOCK_N,
-                                        BLOCK_D, TMA)
-    common.store_block(k_bar_src, k_bar * scale, start_n, keys, M, stride_kbn, HEAD_DIM, BLOCK_D, TMA)
-    v_bar_src = common.head_tile_source(V_BAR, batch, kv_head, stride_vbb, stride_vbh, M, stride_vbn, HEAD_DIM, BLOCK_N,
-                                        BLOCK_D, TMA)
-    common.store_block(v_bar_src, v_bar, start_n, keys, M, stride_vbn, HEAD_DIM, BLOCK_D, TMA)
+    common.store_head_block(K_BAR, k_bar * scale, batch, kv_head, stride_kbb, stride_kbh, start_n, keys, M, stride_kbn,
+                            HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    common.store_head_block(V_BAR, v_bar, batch, kv_head, stride_vbb, stride_vbh, start_n, keys, M, stride_vbn,
+                            HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
 
 
 # ----------------------------------------------------------------------------- host wrapper

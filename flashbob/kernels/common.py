@@ -134,6 +134,16 @@ def store_block(source, tile, start, rows, n_rows, stride_row, HEAD_DIM: tl.cons
 
 
 @triton.jit
+def store_head_block(X, tile, batch, head, stride_batch, stride_head, start, rows, n_rows, stride_row,
+                     HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr):
+    """:func:`store_block` of ``tile`` into the ``(n_rows, HEAD_DIM)`` matrix of one (batch, head), through its
+    :func:`head_tile_source`: how a kernel writes its output block."""
+    source = head_tile_source(X, batch, head, stride_batch, stride_head, n_rows, stride_row, HEAD_DIM, BLOCK_ROWS,
+                              BLOCK_D, TMA)
+    store_block(source, tile, start, rows, n_rows, stride_row, HEAD_DIM, BLOCK_D, TMA)
+
+
+@triton.jit
 def row_vector_pointer(X, batch_head, n_rows):
     """Pointer to the row statistics (delta, A, C) of one (batch, head) in a contiguous
     ``(batch, heads, n_rows)`` tensor; ``batch_head = batch * heads + head``."""

@@ -353,9 +353,8 @@ def _dq_dot_kernel(
             key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION,
             HAS_KEY_MASK, TMA, False,
         )
-    dq_dot_src = common.head_tile_source(DQ_DOT, batch, head, stride_dqdb, stride_dqdh, N, stride_dqdn, HEAD_DIM,
-                                         BLOCK_M, BLOCK_D, TMA)
-    common.store_block(dq_dot_src, dq_dot * scale, start_m, rows, N, stride_dqdn, HEAD_DIM, BLOCK_D, TMA)
+    common.store_head_block(DQ_DOT, dq_dot * scale, batch, head, stride_dqdb, stride_dqdh, start_m, rows, N,
+                            stride_dqdn, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
 
 
 # ----------------------------------------------------------------------------- column sweep: dK-dot, dV-dot
@@ -468,12 +467,10 @@ def _dk_dot_dv_dot_kernel(
             HAS_V_DOT, HAS_DO_DOT, PRECISION, HAS_KEY_MASK, TMA,
         )
 
-    dk_dot_src = common.head_tile_source(DK_DOT, batch, kv_head, stride_dkdb, stride_dkdh, M, stride_dkdn, HEAD_DIM,
-                                         BLOCK_N, BLOCK_D, TMA)
-    common.store_block(dk_dot_src, dk_dot * scale, start_n, keys, M, stride_dkdn, HEAD_DIM, BLOCK_D, TMA)
-    dv_dot_src = common.head_tile_source(DV_DOT, batch, kv_head, stride_dvdb, stride_dvdh, M, stride_dvdn, HEAD_DIM,
-                                         BLOCK_N, BLOCK_D, TMA)
-    common.store_block(dv_dot_src, dv_dot, start_n, keys, M, stride_dvdn, HEAD_DIM, BLOCK_D, TMA)
+    common.store_head_block(DK_DOT, dk_dot * scale, batch, kv_head, stride_dkdb, stride_dkdh, start_n, keys, M,
+                            stride_dkdn, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    common.store_head_block(DV_DOT, dv_dot, batch, kv_head, stride_dvdb, stride_dvdh, start_n, keys, M, stride_dvdn,
+                            HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
 
 
 # ----------------------------------------------------------------------------- host wrappers
