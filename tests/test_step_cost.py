@@ -101,7 +101,8 @@ def test_newton_cg_bartlett_preconditioner_is_the_gauss_newton_bartlett_diagonal
     x, y, w0 = softmax_regression(gen)
     damping = 0.1
     weight = w0.clone().requires_grad_()
-    opt = NewtonCG([weight], damping=damping, curvature_batch=3, preconditioner="bartlett", max_cg_iters=12,
+    # up to 2n iterations for n = 12 unknowns: in floating point PCG may need more than n (14 on seed 1766728149)
+    opt = NewtonCG([weight], damping=damping, curvature_batch=3, preconditioner="bartlett", max_cg_iters=24,
                    generator=torch.Generator().manual_seed(7), **EXACT)  # fmt: skip
     opt.step(softmax_regression_closure(x, y, weight))
     probabilities = torch.softmax(x[:3] @ w0, dim=-1)
