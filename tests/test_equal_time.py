@@ -95,7 +95,8 @@ def test_the_pipeline_sweeps_compares_summarises_and_resumes(tmp_path, monkeypat
     seen = max(r["tokens"] for r in rows)
     assert f"the most tokens a run saw: {seen:,} ({seen / 180_000:.2f} epochs)" in out  # 90% of 200,000 bytes
     assert all(f"to {t:.3f}" in out for t in targets)
-    assert sections[-1].startswith("With equal 1 s training budgets on the CPU (context 64, 128 tokens per step; "
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "the CPU"
+    assert sections[-1].startswith(f"With equal 1 s training budgets on {device} (context 64, 128 tokens per step; "
                                    "seed 1), validation loss ")
     assert all(f"{t:.3f} first by " in sections[-1] for t in targets)
 
