@@ -6,15 +6,16 @@ Run on a CUDA machine from the checkout::
     PYTHONPATH=. python benchmarks/bench_jvp_kernels.py --long --no-accuracy --out docs/results/forward_mode_long.csv
 
 Timing: ``(1, H, N, d)`` bf16 inputs (N = M, H = 16, d = 128, N = 1K, 4K, 16K), causal and not, every
-tangent present. ``kernels`` rows time one call of ``kernels.forward_jvp`` (given O and the statistics) and
-of ``kernels.backward_jvp`` (given O, the statistics and Δ), and for comparison the kernels' own forward and
-backward; ``eager`` rows time PyTorch's forward mode through naive attention in the same dtype
+tangent present. ``kernels`` rows time one call of ``kernels.forward_jvp`` (given O and the statistics), of
+``kernels.backward_jvp`` (given O, the statistics and Δ: three sweeps) and ``backward_jvp_for``, the same call
+also given forward_jvp's tangents of O and the statistics, as in forward-over-reverse (two sweeps), and for
+comparison the kernels' own forward and backward; ``eager`` rows time PyTorch's forward mode through naive attention in the same dtype
 (``torch.func.jvp`` of ``flashbob.reference.attention``, and of its ``torch.func.vjp`` for the backward's
 tangents), which includes the forward (and backward) it differentiates. Medians of ``--reps`` CUDA-event
 timings after ``--warmup`` runs (compiling and autotuning happen there); peak memory is
 ``torch.cuda.max_memory_allocated`` over the timed runs, inputs and tangents included. TFLOP/s use fixed
 matrix-product counts per head in units of N·M·d, halved for causal: forward 4, backward 10, forward_jvp 10,
-backward_jvp 24, whatever an implementation does. ``--long`` adds N = 64K, 128K, 256K for the kernels alone
+backward_jvp 24 (both forms), whatever an implementation does. ``--long`` adds N = 64K, 128K, 256K for the kernels alone
 with H scaled to keep H·N = 16·16K tokens, and the default configs (autotuning there takes minutes).
 Out of memory is recorded as ``oom`` and that implementation's workload is not tried at larger N.
 
@@ -45,10 +46,11 @@ from benchmarks.timing import median_ms, wall_median_ms
 from flashbob import kernels, reference
 
 # Matrix-product FLOPs per (batch, head) in units of N*M*d (docs/algorithm.md's conventions), halved for causal.
-FLOPS_PER_NMD = {"forward": 4, "backward": 10, "forward_jvp": 10, "backward_jvp": 24}
-WORKLOADS = {"kernels": ("forward", "backward", "forward_jvp", "backward_jvp"),
+FLOPS_PER_NMD = {"forward": 4, "backward": 10, "forward_jvp": 10, "backward_jvp": 24, "backward_jvp_for": 24}
+WORKLOADS = {"kernels": ("forward", "backward", "forward_jvp", "backward_jvp", "backward_jvp_for"),
              "eager": ("forward_jvp", "backward_jvp")}
-OUTPUTS = {"forward_jvp": ("o_dot",), "backward_jvp": ("dq_dot", "dk_dot", "dv_dot")}
+OUTPUTS = {"forward_jvp": ("o_dot",), "backward_jvp": ("dq_dot", "dk_dot", "dv_dot"),
+           "backward_jvp_for": ("dq_dot_for", "dk_dot_for", "dv_dot_for")}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HALF_BAR, FP32_BAR = 1.5, 1e-5
 LONG_LENGTHS, LONG_TOKENS = (65536, 131072, 262144), 16 * 16384
@@ -98,12 +100,16 @@ def kernel_workload(workload, x, *, causal, scale):
     q, k, v, do = x["q"], x["k"], x["v"], x["do"]
     o, stats = kernels.forward(q, k, v, **flags)
     *_, delta = kernels.backward(q, k, v, o, stats, do, **flags)
+    tangents = (x["q_dot"], x["k_dot"], x["v_dot"])
+    if workload == "backward_jvp_for":
+        o_dot, stats_dot = kernels.forward_jvp(q, k, v, o, stats, *tangents, **flags)
+        return lambda: kernels.backward_jvp(q, k, v, do, o, stats, delta, *tangents, x["do_dot"], **flags,
+                                            o_dot=o_dot, stats_dot=stats_dot)
     return {
         "forward": lambda: kernels.forward(q, k, v, **flags),
         "backward": lambda: kernels.backward(q, k, v, o, stats, do, **flags),
-        "forward_jvp": lambda: (kernels.forward_jvp(q, k, v, o, stats, x["q_dot"], x["k_dot"], x["v_dot"], **flags),),
-        "backward_jvp": lambda: kernels.backward_jvp(q, k, v, do, o, stats, delta, x["q_dot"], x["k_dot"], x["v_dot"],
-                                                     x["do_dot"], **flags),
+        "forward_jvp": lambda: kernels.forward_jvp(q, k, v, o, stats, *tangents, **flags)[:1],
+        "backward_jvp": lambda: kernels.backward_jvp(q, k, v, do, o, stats, delta, *tangents, x["do_dot"], **flags),
     }[workload]
 
 
@@ -118,7 +124,7 @@ def eager_workload(workload, x, *, causal, scale):
     tangents = tuple(x[name] for name in ("q_dot", "k_dot", "v_dot", "do_dot"))
     if workload == "forward_jvp":
         return lambda: (torch.func.jvp(attention, primals[:3], tangents[:3])[1],)
-    return lambda: torch.func.jvp(backward, primals, tangents)[1]
+    return lambda: torch.func.jvp(backward, primals, tangents)[1]  # backward_jvp and backward_jvp_for
 
 
 def tflops(workload, ms, *, heads, n, head_dim, causal) -> float:
@@ -222,7 +228,7 @@ def timing_cases(args):
                     yield impl, workload, n, args.heads, causal, False
     for causal in map(bool, args.causal) if args.long else ():
         for n in LONG_LENGTHS:
-            for workload in ("forward_jvp", "backward_jvp"):
+            for workload in ("forward_jvp", "backward_jvp", "backward_jvp_for"):
                 yield "kernels", workload, n, max(1, LONG_TOKENS // n), causal, True
 
 

@@ -3,12 +3,14 @@
 Each Function only wires a backend's passes together; the math lives in the backends
 (:mod:`flashbob.blocked`, :mod:`flashbob.kernels`). Because the first backward is itself a
 Function, ``torch.autograd.grad(out, inputs, create_graph=True)`` builds a graph whose backward is
-the closed-form BoB, so second derivatives are exact. ``O``, ``stats`` and ``Δ`` enter the lower
-levels as constants: the BoB formulas already account for every path through them.
+the closed-form BoB, so second derivatives are exact. ``O`` and ``stats`` enter the first backward as
+inputs whose gradients the BoB does not return: its formulas already account for every path through them
+(and through ``Δ``).
 
-Forward mode: ``Attention``'s ``jvp`` rule gives the tangent of ``O`` (the backend's
-``forward_jvp``) and ``AttentionBackward``'s gives the tangents of ``dQ, dK, dV`` (``backward_jvp``,
-which recomputes ``Ȯ`` itself since ``O`` enters detached). So ``torch.func.jvp``, ``jacfwd``,
+Forward mode: ``Attention``'s ``jvp`` rule gives the tangents of ``O`` and of the statistics (the
+backend's ``forward_jvp``) and ``AttentionBackward``'s gives the tangents of ``dQ, dK, dV``
+(``backward_jvp``), reusing those two where forward mode also went through the forward (forward-over-reverse:
+the row scalars ``ṙ`` and ``Δ̇`` then need no sweep of their own) and recomputing them where not. So ``torch.func.jvp``, ``jacfwd``,
 ``torch.autograd.forward_ad`` and forward-over-reverse second derivatives (``torch.func.hessian`` =
 ``jacfwd(jacrev(f))``, ``jvp`` of ``grad``) work. The tangents are computed by two more Functions,
 ``AttentionTangent`` and ``AttentionBackwardTangent``, so that under ``jacfwd``/``vmap`` (which
@@ -142,7 +144,6 @@ class Attention(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         q, k, v, key_mask, ctx.causal, ctx.scale, ctx.backend = inputs
         o, stats = output
-        ctx.mark_non_differentiable(stats)
         ctx.set_materialize_grads(False)  # absent tangents stay None: the backends skip them
         ctx.save_for_backward(q, k, v, o, stats, key_mask)
         ctx.save_for_forward(q, k, v, o, stats, key_mask)
@@ -152,18 +153,13 @@ class Attention(torch.autograd.Function):
         if do is None:  # O's cotangent is absent (zero)
             return None, None, None, None, None, None, None
         q, k, v, o, stats, key_mask = ctx.saved_tensors
-        dq, dk, dv, _delta = AttentionBackward.apply(
-            q, k, v, do, o.detach(), stats, key_mask, ctx.causal, ctx.scale, ctx.backend
-        )
+        dq, dk, dv, _delta = AttentionBackward.apply(q, k, v, do, o, stats, key_mask, ctx.causal, ctx.scale, ctx.backend)
         return dq, dk, dv, None, None, None, None
 
     @staticmethod
     def jvp(ctx, q_dot, k_dot, v_dot, *_):
         q, k, v, o, stats, key_mask = ctx.saved_tensors
-        o_dot = AttentionTangent.apply(
-            q, k, v, o, stats, q_dot, k_dot, v_dot, key_mask, ctx.causal, ctx.scale, ctx.backend
-        )
-        return o_dot, None
+        return AttentionTangent.apply(q, k, v, o, stats, q_dot, k_dot, v_dot, key_mask, ctx.causal, ctx.scale, ctx.backend)
 
     @staticmethod
     def vmap(info, in_dims, *args):
@@ -171,7 +167,9 @@ class Attention(torch.autograd.Function):
 
 
 class AttentionBackward(torch.autograd.Function):
-    """``(Q, K, V, dO) -> (dQ, dK, dV, Δ)`` with ``O`` and ``stats`` as constants."""
+    """``(Q, K, V, dO, O, stats) -> (dQ, dK, dV, Δ)``. Its backward (the BoB) treats ``O`` and ``stats`` as the
+    functions of ``Q, K, V`` they are and returns no gradient for them; its ``jvp`` takes their tangents where
+    the forward's tangent was computed (forward-over-reverse) and recomputes them where not."""
 
     @staticmethod
     @_legacy_vmap_support
@@ -196,10 +194,13 @@ class AttentionBackward(torch.autograd.Function):
         return q_bar, k_bar, v_bar, do_bar, None, None, None, None, None, None
 
     @staticmethod
-    def jvp(ctx, q_dot, k_dot, v_dot, do_dot, *_):
+    def jvp(ctx, q_dot, k_dot, v_dot, do_dot, o_dot, stats_dot, *_):
         q, k, v, do, o, stats, delta, key_mask = ctx.saved_tensors
+        if o_dot is None or stats_dot is None:  # O entered without the forward's tangent: recompute it
+            o_dot = stats_dot = None
         dq_dot, dk_dot, dv_dot = AttentionBackwardTangent.apply(
-            q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, key_mask, ctx.causal, ctx.scale, ctx.backend
+            q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, o_dot, stats_dot, key_mask, ctx.causal,
+            ctx.scale, ctx.backend,
         )
         return dq_dot, dk_dot, dv_dot, None
 
@@ -243,7 +244,8 @@ class BackwardOverBackward(_Terminal):
 
 
 class AttentionTangent(_Terminal):
-    """``(Q, K, V; Q̇, K̇, V̇) -> Ȯ`` with ``O`` and ``stats`` as constants: ``Attention``'s jvp; not differentiable."""
+    """``(Q, K, V; Q̇, K̇, V̇) -> (Ȯ, the tangent of stats)`` with ``O`` and ``stats`` as constants: ``Attention``'s
+    jvp; not differentiable."""
 
     ERROR = TANGENT_ERROR
 
@@ -256,12 +258,15 @@ class AttentionTangent(_Terminal):
 
 
 class AttentionBackwardTangent(_Terminal):
-    """``(Q, K, V, dO; Q̇, K̇, V̇, dȮ) -> (dQ̇, dK̇, dV̇)`` with ``O``, ``stats``, ``Δ`` as constants:
-    ``AttentionBackward``'s jvp; not differentiable (a third derivative)."""
+    """``(Q, K, V, dO; Q̇, K̇, V̇, dȮ; Ȯ, ṡtats) -> (dQ̇, dK̇, dV̇)``: ``AttentionBackward``'s jvp, with the
+    tangents of ``O`` and ``stats`` when it has them (else they are recomputed, ``O``, ``stats`` and ``Δ`` being
+    functions of ``Q, K, V, dO``); not differentiable (a third derivative)."""
 
     @staticmethod
     @_legacy_vmap_support
-    def forward(q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, key_mask, causal, scale, backend):
+    def forward(q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, o_dot, stats_dot, key_mask, causal, scale,
+                backend):
         return backend.backward_jvp(
-            q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, causal=causal, scale=scale, key_mask=key_mask
+            q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, causal=causal, scale=scale, key_mask=key_mask,
+            o_dot=o_dot, stats_dot=stats_dot,
         )

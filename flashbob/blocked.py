@@ -322,18 +322,20 @@ def forward_jvp(
     One sweep of row panels; each panel holds whole rows, so ``ṙ`` is subtracted before the product
     with ``V`` (a component of ``Ṡ`` shared by a whole row cancels exactly) and the saved output ``o``
     is not needed here (the Triton kernels, which stream the keys, use the right-hand form).
-    ``lse`` is the forward's statistics. Rows that see no key get ``Ȯ = 0``.
+    ``lse`` is the forward's statistics. Returns ``(Ȯ, ṙ)``, ``ṙ`` being the tangent of ``lse``; rows that
+    see no key get ``Ȯ = 0`` and ``ṙ = 0``.
     """
     if q_dot is None and k_dot is None and v_dot is None:
-        return torch.zeros_like(q)
+        return torch.zeros_like(q), torch.zeros_like(lse)
     t = _tangent_inputs(q, k, v, lse, q_dot, k_dot, v_dot, key_mask)
     n, m = q.shape[2], k.shape[2]
     o_dot = torch.zeros_like(t["q"])
+    lse_dot = torch.zeros_like(t["lse"])
     for rows in _panels(n, panel_size(n, m, t["q"].shape[:3].numel(), block)):
         cols = _visible_keys(rows, m, causal)
-        p, _, _, p_dot = _tangent_panel(t, rows, cols, causal, scale)
+        p, _, lse_dot[..., rows], p_dot = _tangent_panel(t, rows, cols, causal, scale)
         o_dot[..., rows, :] = _output_tangent(t, p, p_dot, cols)
-    return _ungroup(o_dot, q)
+    return _ungroup(o_dot, q), rearrange(lse_dot, "b h g n -> b (h g) n").to(lse.dtype)
 
 
 def _score_gradient_tangent(t: dict, rows: slice, cols: slice, p, p_dot, delta_dot):
@@ -347,9 +349,17 @@ def _score_gradient_tangent(t: dict, rows: slice, cols: slice, p, p_dot, delta_d
     return p * dp_minus_delta, ds_dot
 
 
+def _row_dots(do, o_dot, do_dot, o):
+    """``Δ̇ = rowsum(dO ∘ Ȯ + dȮ ∘ O)``, either term absent (None) when its tangent is; 0 when both are."""
+    delta_dot = _total(
+        None if o_dot is None else (do * o_dot).sum(-1), None if do_dot is None else (do_dot * o).sum(-1)
+    )
+    return torch.zeros_like(do[..., 0]) if delta_dot is None else delta_dot
+
+
 def backward_jvp(
     q, k, v, do, o, lse, delta, q_dot, k_dot, v_dot, do_dot, *, causal: bool, scale: float,
-    block: int | None = None, key_mask=None,
+    block: int | None = None, key_mask=None, o_dot=None, stats_dot=None,
 ):
     """Tangents ``(dQ̇, dK̇, dV̇)`` of the first backward ``(Q, K, V, dO) -> (dQ, dK, dV)`` (forward-over-reverse).
 
@@ -367,8 +377,14 @@ def backward_jvp(
     :func:`bob`: row panels compute ``ṙ``, ``Ȯ``, ``Δ̇`` and ``dQ̇`` and store ``ṙ``, ``Δ̇``, ``σ``
     (``N`` floats each); column panels read them and accumulate ``dK̇`` and ``dV̇`` (summed over the
     query heads of a group). Rows that see no key get zero tangents.
+
+    ``o_dot``, ``stats_dot`` (both or neither): the tangents of ``o`` and ``lse`` along the same ``Q̇, K̇, V̇``
+    (:func:`forward_jvp`'s, as in a forward-over-reverse product); given, ``ṙ`` and ``Δ̇`` are taken from them
+    instead of ``Ȯ`` being recomputed.
     """
-    if q_dot is None and k_dot is None and v_dot is None and do_dot is None:
+    if (o_dot is None) != (stats_dot is None):
+        raise ValueError("o_dot and stats_dot: pass both tangents (the forward's, from forward_jvp) or neither")
+    if q_dot is None and k_dot is None and v_dot is None and do_dot is None and o_dot is None:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dtype, kv_heads, n, m = accumulator_dtype(q.dtype), k.shape[1], q.shape[2], k.shape[2]
     t = _tangent_inputs(q, k, v, lse, q_dot, k_dot, v_dot, key_mask)
@@ -380,14 +396,17 @@ def backward_jvp(
     batch_heads = t["q"].shape[:3].numel()
     dq_dot = torch.zeros_like(t["q"])
     r_dot, delta_dot, sigma = (torch.empty_like(t["delta"]) for _ in range(3))
+    if o_dot is not None:  # the forward's tangents: ṙ and Δ̇ without recomputing Ȯ
+        t["r_dot"] = _grouped(stats_dot, kv_heads, dtype)
+        delta_dot = _row_dots(t["do"], _grouped(o_dot, kv_heads, dtype), t["do_dot"], og)
     for rows in _panels(n, panel_size(n, m, batch_heads, block)):
         cols = _visible_keys(rows, m, causal)
         p, sigma[..., rows], r_dot[..., rows], p_dot = _tangent_panel(t, rows, cols, causal, scale)
-        o_dot = _output_tangent(t, p, p_dot, cols)
-        delta_dot[..., rows] = _total(
-            None if o_dot is None else (t["do"][..., rows, :] * o_dot).sum(-1),
-            None if t["do_dot"] is None else (t["do_dot"][..., rows, :] * og[..., rows, :]).sum(-1),
-        )
+        if o_dot is None:
+            panel_o_dot = _output_tangent(t, p, p_dot, cols)
+            delta_dot[..., rows] = _row_dots(
+                t["do"][..., rows, :], panel_o_dot, _part(t["do_dot"], rows), og[..., rows, :]
+            )
         ds, ds_dot = _score_gradient_tangent(t, rows, cols, p, p_dot, delta_dot[..., rows])
         dq_dot[..., rows, :] = scale * _total(ds_dot @ t["k"][..., cols, :], _matmul(ds, _part(t["k_dot"], cols)))
     t.update(r_dot=r_dot, delta_dot=delta_dot, sigma=sigma)

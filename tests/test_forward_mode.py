@@ -110,7 +110,7 @@ def test_blocked_panels_of_one_row_and_column(gen):
     delta = blocked.backward(q, k, v, o, lse, do, scale=0.5, **options)[3]
     whole, one = (
         (
-            blocked.forward_jvp(q, k, v, o, lse, q_dot, k_dot, v_dot, scale=0.5, block=block, **options),
+            *blocked.forward_jvp(q, k, v, o, lse, q_dot, k_dot, v_dot, scale=0.5, block=block, **options),
             *blocked.backward_jvp(q, k, v, do, o, lse, delta, q_dot, k_dot, v_dot, do_dot, scale=0.5, block=block,
                                   **options),
         )
@@ -149,6 +149,40 @@ def test_forward_over_reverse_equals_reverse_over_reverse(gen, backend):
     for a, b, c in zip(forward_over_reverse, reverse_over_reverse, want):
         assert_matches(a, c, TOL)
         assert_matches(b, c, TOL)
+
+
+@needs_interpreter
+def test_forward_over_reverse_reuses_the_forward_tangents(gen, monkeypatch):
+    """Where forward mode also went through the forward (``jvp`` of ``grad``; dual tensors with a
+    ``create_graph`` gradient), the backward's tangent takes the forward's tangents of O and the statistics,
+    so the kernels' row-scalar sweep (``jvp_rows``) does not run; where the forward ran outside forward mode
+    (``jvp`` of a ``vjp`` function made outside), it does. All three match the reference."""
+    launched = []
+    launch = configs.launch
+    monkeypatch.setattr(configs, "launch", lambda name, *a, **kw: launched.append(name) or launch(name, *a, **kw))
+    (q, k, v, do), (q_dot, k_dot, v_dot, do_dot), options = random_case(gen, gqa=True, causal=True, masked=True,
+                                                                        head_dim=16)
+    bob = lambda q, k, v: flashbob.attention(q, k, v, backend="triton", **options)  # noqa: E731
+    ref = lambda q, k, v: reference.attention(q, k, v, **options)  # noqa: E731
+    loss = lambda fn: lambda q, k, v: fn(q, k, v).sin().sum()  # noqa: E731
+    hvp = lambda fn: jvp(grad(loss(fn), argnums=(0, 1, 2)), (q, k, v), (q_dot, k_dot, v_dot))[1]  # noqa: E731
+    with configs.override(block_m=16, block_n=16):
+        got = hvp(bob)
+        assert "jvp_fwd" in launched and "jvp_cols" in launched and "jvp_rows" not in launched, launched
+        launched.clear()
+        leaf = q.clone().requires_grad_()
+        with forward_ad.dual_level():
+            (g,) = torch.autograd.grad(loss(bob)(forward_ad.make_dual(leaf, q_dot), k, v), leaf, create_graph=True)
+            got_dual = forward_ad.unpack_dual(g).tangent
+        assert "jvp_fwd" in launched and "jvp_rows" not in launched, launched
+        launched.clear()
+        got_do = jvp(vjp(bob, q, k, v)[1], (do,), (do_dot,))[1]
+        assert "jvp_rows" in launched and "jvp_fwd" not in launched, launched
+    for a, b in zip(got, hvp(ref)):
+        assert_matches(a, b, TOL)
+    assert_matches(got_dual, jvp(lambda q: grad(loss(ref))(q, k, v), (q,), (q_dot,))[1], TOL)
+    for a, b in zip(got_do, jvp(vjp(ref, q, k, v)[1], (do,), (do_dot,))[1]):
+        assert_matches(a, b, TOL)
 
 
 def test_hessian_matches_reference(gen):

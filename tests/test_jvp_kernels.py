@@ -59,15 +59,18 @@ def make_inputs(gen, shape, dtype, *, layout="contiguous"):
     return {name: randn(*((heads, n) if name in query_side else (kv_heads, m))) for name in PRIMALS + TANGENTS}
 
 
-def run_kernels(inputs, tangents, *, causal, scale, key_mask=None):
-    """``o_dot`` and ``(dq_dot, dk_dot, dv_dot)`` from the kernels, on the kernels' own forward and backward."""
+def run_kernels(inputs, tangents, *, causal, scale, key_mask=None, given_forward_tangents=False):
+    """``o_dot`` and ``(dq_dot, dk_dot, dv_dot)`` from the kernels, on the kernels' own forward and backward;
+    ``given_forward_tangents``: backward_jvp takes forward_jvp's tangents of O and the statistics (as in
+    forward-over-reverse) instead of its own row sweep."""
     q, k, v, do = (inputs[name] for name in PRIMALS)
     q_dot, k_dot, v_dot, do_dot = (inputs[name] if name in tangents else None for name in TANGENTS)
     flags = dict(causal=causal, scale=scale, key_mask=key_mask)
     o, stats = kernels.forward(q, k, v, **flags)
     *_, delta = kernels.backward(q, k, v, o, stats, do, **flags)
-    o_dot = kernels.forward_jvp(q, k, v, o, stats, q_dot, k_dot, v_dot, **flags)
-    dots = kernels.backward_jvp(q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, **flags)
+    o_dot, stats_dot = kernels.forward_jvp(q, k, v, o, stats, q_dot, k_dot, v_dot, **flags)
+    given = dict(o_dot=o_dot, stats_dot=stats_dot) if given_forward_tangents else {}
+    dots = kernels.backward_jvp(q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, **flags, **given)
     return dict(zip(OUTPUTS, (o_dot, *dots)))
 
 
@@ -96,11 +99,14 @@ def assert_matches_oracle(outputs, inputs, tangents, *, causal, scale, key_mask=
 
 
 def check(gen, shape, tangents, *, causal, dtype=EXACT, scale=None, layout="contiguous", key_mask=None):
+    """Both schedules of backward_jvp (its own row sweep; forward_jvp's tangents) against the oracle."""
     inputs = make_inputs(gen, shape, dtype, layout=layout)
     scale = shape[-1] ** -0.5 if scale is None else scale
-    outputs = run_kernels(inputs, tangents, causal=causal, scale=scale, key_mask=key_mask)
-    assert_matches_oracle(outputs, inputs, tangents, causal=causal, scale=scale, key_mask=key_mask,
-                          tolerance=TOLERANCE[dtype])
+    for given in (False, True):
+        outputs = run_kernels(inputs, tangents, causal=causal, scale=scale, key_mask=key_mask,
+                              given_forward_tangents=given)
+        assert_matches_oracle(outputs, inputs, tangents, causal=causal, scale=scale, key_mask=key_mask,
+                              tolerance=TOLERANCE[dtype])
     return inputs, outputs
 
 
@@ -179,8 +185,8 @@ def test_tma_variant_every_tangent_subset(gen, tma_tiles):
     subsets = [s for r in range(1, 5) for s in itertools.combinations(TANGENTS, r)]
     inputs = make_inputs(gen, (1, 1, 1, 19, 26, 16), EXACT)
     assert_tma_ran(inputs)
-    for tangents in subsets:
-        outputs = run_kernels(inputs, tangents, causal=True, scale=0.4)
+    for tangents, given in itertools.product(subsets, (False, True)):
+        outputs = run_kernels(inputs, tangents, causal=True, scale=0.4, given_forward_tangents=given)
         assert_matches_oracle(outputs, inputs, tangents, causal=True, scale=0.4, tolerance=TOLERANCE[EXACT])
 
 
@@ -202,14 +208,15 @@ def test_default_block_sizes(gen):
     check(gen, (1, 1, 1, 70, 70, 64), TANGENTS, causal=True, scale=0.125)
 
 
+@pytest.mark.parametrize("given", [False, True], ids=["own-rows", "forward-tangents"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_float16_no_worse_than_eager(gen, causal, small_tiles):
+def test_float16_no_worse_than_eager(gen, causal, given, small_tiles):
     """float16 kernels vs eager forward mode (torch.func.jvp through naive attention) in float16,
-    both against float64."""
+    both against float64; backward_jvp with its own row sweep and with forward_jvp's (rounded) tangents."""
     shape = (1, 2, 1, 37, 21, 32)
     scale = shape[-1] ** -0.5
     inputs = make_inputs(gen, shape, torch.float16)
-    outputs = run_kernels(inputs, TANGENTS, causal=causal, scale=scale)
+    outputs = run_kernels(inputs, TANGENTS, causal=causal, scale=scale, given_forward_tangents=given)
     exact = run_oracle(inputs, TANGENTS, causal=causal, scale=scale)
     eager = run_oracle(inputs, TANGENTS, causal=causal, scale=scale, dtype=torch.float16)
     for name, ref in exact.items():
@@ -218,20 +225,22 @@ def test_float16_no_worse_than_eager(gen, causal, small_tiles):
         assert ours <= FP16_BAR * theirs, f"{name}: {ours:.2e} > {FP16_BAR} x eager {theirs:.2e}"
 
 
-def test_one_hot_rows_half_precision(gen, small_tiles):
+@pytest.mark.parametrize("given", [False, True], ids=["own-rows", "forward-tangents"])
+def test_one_hot_rows_half_precision(gen, given, small_tiles):
     """Rows that see one key (batch element 1 keeps key 0 only) in float16: there O-dot is V-dot of that key
     and dQ-dot, dK-dot vanish, which eager float16 forward mode gets exactly. forward_jvp subtracts
     O times the sum of the rounded matmul operands P∘S-dot, so this cancels exactly too (with the
     float32 r-dot instead, O-dot was off by 3e-4); backward_jvp sums Delta-dot from P∘S-dot∘(dP - Delta) in
     float32, where dP - Delta vanishes on such rows (when it went through the rounded O-dot with the float32
-    r-dot, dQ-dot and dK-dot were off by 2e-3 to 6e-3)."""
+    r-dot, dQ-dot and dK-dot were off by 2e-3 to 6e-3). Given forward_jvp's tangents, backward_jvp takes its
+    r-dot, the sum of the rounded operands, which is consistent with O-dot, so Delta-dot cancels there too."""
     shape = (2, 1, 1, 24, 24, 32)
     key_mask = torch.rand(2, 24, generator=gen) > 0.3
     key_mask[:, 0], key_mask[1, 1:] = True, False
     key_mask = key_mask.to(DEVICE)
     inputs = make_inputs(gen, shape, torch.float16)
     flags = dict(causal=False, scale=shape[-1] ** -0.5, key_mask=key_mask)
-    outputs = {name: x[1] for name, x in run_kernels(inputs, TANGENTS, **flags).items()}
+    outputs = {name: x[1] for name, x in run_kernels(inputs, TANGENTS, given_forward_tangents=given, **flags).items()}
     exact = {name: x[1] for name, x in run_oracle(inputs, TANGENTS, **flags).items()}
     term_size = max(ref.abs().max().item() for ref in exact.values())
     assert relative_error(outputs["o_dot"], exact["o_dot"]) < 1e-6
@@ -248,9 +257,9 @@ def test_without_tangents_returns_zeros_without_a_launch(gen, monkeypatch):
     inputs = make_inputs(gen, (1, 2, 1, 5, 7, 16), EXACT)
     q, k, v, do = (inputs[name] for name in PRIMALS)
     o, stats, delta = torch.zeros_like(q), torch.zeros(1, 2, 2, 5), torch.zeros(1, 2, 5)
-    o_dot = kernels.forward_jvp(q, k, v, o, stats, None, None, None, causal=True, scale=0.25)
+    o_dot, stats_dot = kernels.forward_jvp(q, k, v, o, stats, None, None, None, causal=True, scale=0.25)
     dots = kernels.backward_jvp(q, k, v, do, o, stats, delta, None, None, None, None, causal=True, scale=0.25)
-    for x, like in zip((o_dot, *dots), (q, q, k, v)):
+    for x, like in zip((o_dot, stats_dot, *dots), (q, stats, q, k, v)):
         assert x.shape == like.shape and x.dtype == like.dtype and not x.any()
 
 
@@ -264,6 +273,12 @@ def test_rejects_misshapen_tangents(gen):
         kernels.backward_jvp(q, k, v, do, o, stats, stats[:, :, 0], None, None, None, k, causal=False, scale=0.25)
     with pytest.raises(ValueError, match="stats"):
         kernels.forward_jvp(q, k, v, o, stats[:, :, 0], q, None, None, causal=False, scale=0.25)
+    *_, delta = kernels.backward(q, k, v, o, stats, do, causal=False, scale=0.25)
+    with pytest.raises(ValueError, match="o_dot and stats_dot"):
+        kernels.backward_jvp(q, k, v, do, o, stats, delta, q, None, None, None, causal=False, scale=0.25, o_dot=o)
+    with pytest.raises(ValueError, match="stats_dot"):
+        kernels.backward_jvp(q, k, v, do, o, stats, delta, q, None, None, None, causal=False, scale=0.25, o_dot=o,
+                             stats_dot=stats[:, :, 0])
 
 
 @CPU_ONLY
@@ -279,8 +294,8 @@ def test_benchmark_smoke(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     timed = list(csv.DictReader(times.open()))
-    assert [r["workload"] for r in timed] == ["forward", "backward", "forward_jvp", "backward_jvp"]
+    assert [r["workload"] for r in timed] == ["forward", "backward", "forward_jvp", "backward_jvp", "backward_jvp_for"]
     assert all(r["status"] == "ok" and float(r["ms"]) > 0 for r in timed)
     checked = list(csv.DictReader(accuracy.open()))
-    assert [r["output"] for r in checked] == list(OUTPUTS)
+    assert [r["output"] for r in checked] == [*OUTPUTS, "dq_dot_for", "dk_dot_for", "dv_dot_for"]
     assert all(r["verdict"] == "PASS" and float(r["err_kernels"]) < 1e-5 for r in checked), checked

@@ -172,6 +172,18 @@ def _dq_kernel(
                             BLOCK_M, BLOCK_D, TMA)
 
 
+def row_dot_products(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    r""":math:`x_i \cdot y_i` of every row of two ``(B, H, N, d)`` kernel operands (:func:`~flashbob.kernels.common.operand`
+    of the same dtype), ``(B, H, N)`` in the accumulator dtype; e.g. :math:`\Delta = \mathrm{rowsum}(O \circ dO)`."""
+    batch, heads, n, head_dim = x.shape
+    out = torch.empty(x.shape[:3], dtype=common.accumulator_dtype(x.dtype), device=x.device)
+    configs.launch(
+        "delta", _delta_kernel, common.row_grid(n, batch * heads), *common.with_strides(x, y), out, heads, n,
+        head_dim=head_dim, dtype=x.dtype, length=n, HEAD_DIM=head_dim, BLOCK_D=common.head_dim_block(head_dim),
+    )
+    return out
+
+
 def backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, stats: torch.Tensor, do: torch.Tensor,
     *, causal: bool, scale: float, allow_tf32: bool = False, key_mask: torch.Tensor | None = None,
@@ -198,15 +210,11 @@ def backward(
     batch, heads, n, head_dim = q.shape
     kv_heads, m = k.shape[1], k.shape[2]
     stats = common.softmax_stats(stats, q)
-    delta = torch.empty(q.shape[:3], dtype=stats.dtype, device=q.device)
+    delta = row_dot_products(o, do)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     constants = common.kernel_constants(q, causal, allow_tf32, has_key_mask)
     scalars = (heads // kv_heads, n, m, scale * common.LOG2E.value, scale)
 
-    configs.launch(
-        "delta", _delta_kernel, common.row_grid(n, batch * heads), *common.with_strides(o, do), delta, heads, n,
-        head_dim=head_dim, dtype=q.dtype, length=n, HEAD_DIM=head_dim, BLOCK_D=constants["BLOCK_D"],
-    )
     configs.launch(
         "dkdv", _dkdv_kernel, common.column_grid(m, batch * kv_heads), *common.with_strides(q, k, v, do, dk, dv), stats,
         delta, key_mask, heads, kv_heads, *scalars, head_dim=head_dim, dtype=q.dtype, length=m,

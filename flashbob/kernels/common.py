@@ -451,6 +451,13 @@ def logsumexp(stats: torch.Tensor) -> torch.Tensor:
     return (stats[:, :, 0] + stats[:, :, 1]) / LOG2E.value
 
 
+def statistics_tangent(r_dot: torch.Tensor) -> torch.Tensor:
+    r"""A tangent of the ``(B, H, 2, N)`` statistics whose :func:`logsumexp` is ``r_dot`` ``(B, H, N)``, the
+    tangent :math:`\dot r` of the row log-sum-exp: :math:`(0, \dot r \log_2 e)` (the statistics are used only
+    through :math:`m + \log_2 \ell`, so this is as good a tangent as any other with that sum)."""
+    return torch.stack((torch.zeros_like(r_dot), r_dot * LOG2E.value), dim=2)
+
+
 def dot_precision(dtype: torch.dtype, allow_tf32: bool) -> str:
     """``input_precision`` of ``tl.dot``: tf32 only for float32 inputs that allow it."""
     return "tf32" if dtype == torch.float32 and allow_tf32 else "ieee"

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from . import common, configs
+from .backward import row_dot_products
 
 
 @triton.jit
@@ -95,13 +96,14 @@ def _o_dot_kernel(
     stride_ob, stride_oh, stride_on,
     stride_qdb, stride_qdh, stride_qdn, stride_kdb, stride_kdh, stride_kdn, stride_vdb, stride_vdh, stride_vdn,
     stride_odb, stride_odh, stride_odn,
-    STATS, KEY_MASK, heads, group, N, M, qk_scale, scale,
+    STATS, R_DOT, KEY_MASK, heads, group, N, M, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr,
     PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
-    r"""One query block's :math:`\dot O = \mathrm{acc} - \tilde r \circ O` (:func:`_o_dot_inner`); key
-    blocks split as in the forward. Rows that see no key have P = 0 and O = 0, so :math:`\dot O = 0`.
+    r"""One query block's :math:`\dot O = \mathrm{acc} - \tilde r \circ O` (:func:`_o_dot_inner`) and
+    :math:`\tilde r`, the tangent of the row log-sum-exp, into ``R_DOT``; key blocks split as in the forward.
+    Rows that see no key have P = 0 and O = 0, so :math:`\dot O = 0` and :math:`\tilde r = 0`.
     ``TMA`` (the ``"tma"`` variant): as in the forward."""
     start_m, rows, batch_head, batch, head, kv_head, key_mask_base = common.query_block(heads, group, KEY_MASK, M, BLOCK_M)
 
@@ -147,6 +149,7 @@ def _o_dot_kernel(
     o = common.load_block(o_src, start_m, rows, N, stride_on, HEAD_DIM, BLOCK_D, TMA)
     common.store_block(o_dot_src, acc - r_rounded[:, None] * o.to(acc_dtype), start_m, rows, N, stride_odn, HEAD_DIM,
                        BLOCK_D, TMA)
+    common.store_rows(common.row_vector_pointer(R_DOT, batch_head, N), r_rounded, rows, N)
 
 
 # ----------------------------------------------------------------------------- row sweep: r-dot, Delta-dot
@@ -485,8 +488,8 @@ def forward_jvp(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, stats: torch.Tensor,
     q_dot: torch.Tensor | None, k_dot: torch.Tensor | None, v_dot: torch.Tensor | None,
     *, causal: bool, scale: float, key_mask: torch.Tensor | None = None, allow_tf32: bool = False,
-) -> torch.Tensor:
-    r"""Forward mode of attention: the tangent of :math:`O` along :math:`(\dot Q, \dot K, \dot V)`.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Forward mode of attention: the tangents of :math:`O` and of the statistics along :math:`(\dot Q, \dot K, \dot V)`.
 
     .. math::
         \dot S = \tau(\dot Q K^\top + Q \dot K^\top),\quad \dot r_i = \textstyle\sum_j P_{ij} \dot S_{ij},\quad
@@ -501,15 +504,19 @@ def forward_jvp(
             its terms out. When all three are None, zeros are returned without a launch.
 
     Returns:
-        ``o_dot`` shaped and typed like ``q``; 0 in rows that see no key.
+        ``o_dot`` shaped and typed like ``q``; 0 in rows that see no key. ``stats_dot``, a tangent of ``stats``
+        whose :func:`~flashbob.kernels.common.logsumexp` (a linear map) is :math:`\dot r`
+        (:func:`~flashbob.kernels.common.statistics_tangent`): :func:`backward_jvp` takes both and then needs
+        no sweep for its row scalars.
     """
     common.check_qkv(q, k, v)
     common.check_shaped_like(("o", o, q), ("q_dot", q_dot, q), ("k_dot", k_dot, k), ("v_dot", v_dot, v))
     if q_dot is None and k_dot is None and v_dot is None:
-        return torch.zeros_like(q)
+        return torch.zeros_like(q), torch.zeros_like(stats)
     key_mask, has_key_mask = common.key_mask_operand(key_mask, q, k)
     q, k, v, o = (common.operand(x, q) for x in (q, k, v, o))
     stats = common.softmax_stats(stats, q)
+    r_dot = torch.empty(q.shape[:3], dtype=stats.dtype, device=q.device)
     constants = common.kernel_constants(q, causal, allow_tf32, has_key_mask, HAS_Q_DOT=q_dot is not None,
                                         HAS_K_DOT=k_dot is not None, HAS_V_DOT=v_dot is not None)
     q_dot, k_dot, v_dot = (_tangent_operand(x, like, q) for x, like in ((q_dot, q), (k_dot, k), (v_dot, k)))
@@ -517,18 +524,18 @@ def forward_jvp(
     batch, heads, n, head_dim = q.shape
     configs.launch(
         "jvp_fwd", _o_dot_kernel, common.row_grid(n, batch * heads),
-        *common.with_strides(q, k, v, o, q_dot, k_dot, v_dot, o_dot), stats, key_mask, heads, heads // k.shape[1], n,
-        k.shape[2], scale * common.LOG2E.value, scale, head_dim=head_dim, dtype=q.dtype, length=n,
-        descriptors=(q, k, v, o, q_dot, k_dot, v_dot, o_dot), **constants,
+        *common.with_strides(q, k, v, o, q_dot, k_dot, v_dot, o_dot), stats, r_dot, key_mask, heads,
+        heads // k.shape[1], n, k.shape[2], scale * common.LOG2E.value, scale, head_dim=head_dim, dtype=q.dtype,
+        length=n, descriptors=(q, k, v, o, q_dot, k_dot, v_dot, o_dot), **constants,
     )
-    return o_dot
+    return o_dot, common.statistics_tangent(r_dot)
 
 
 def backward_jvp(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, o: torch.Tensor, stats: torch.Tensor,
     delta: torch.Tensor, q_dot: torch.Tensor | None, k_dot: torch.Tensor | None, v_dot: torch.Tensor | None,
     do_dot: torch.Tensor | None, *, causal: bool, scale: float, key_mask: torch.Tensor | None = None,
-    allow_tf32: bool = False,
+    allow_tf32: bool = False, o_dot: torch.Tensor | None = None, stats_dot: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""Forward mode of the backward: the tangents of :math:`(dQ, dK, dV)` along :math:`(\dot Q, \dot K, \dot V, d\dot O)`.
 
@@ -540,14 +547,19 @@ def backward_jvp(
 
     in three sweeps: rows (:math:`\dot r` and :math:`\dot\Delta`, with
     :math:`dO_i \cdot \dot O_i = \sum_j P_{ij} (\dot S_{ij} (dP_{ij} - \Delta_i) + (dO \dot V^\top)_{ij})`
-    summed in float32), rows (:math:`d\dot Q`), columns (:math:`d\dot K, d\dot V`). O, the statistics and Δ
-    are constants: the formulas contain every path through them.
+    summed in float32), rows (:math:`d\dot Q`), columns (:math:`d\dot K, d\dot V`). Given the tangents of
+    O and of the statistics (``o_dot``, ``stats_dot`` from :func:`forward_jvp`, as in a forward-over-reverse
+    product, where the forward's tangent is computed anyway), the first sweep is not needed:
+    :math:`\dot r` is the statistics' tangent's log-sum-exp and :math:`\dot\Delta` two row dot products.
+    Without them O, the statistics and Δ are constants: the formulas contain every path through them.
 
     Args:
         q, k, v, causal, scale, allow_tf32, key_mask: as in :func:`flashbob.kernels.forward`.
         do: the cotangent the backward was run with; o, stats: forward outputs; delta: from the backward.
+        o_dot, stats_dot: both or neither: the tangents of ``o`` and ``stats`` along the same ``q_dot, k_dot,
+            v_dot`` (:func:`forward_jvp`'s).
         q_dot, do_dot: ``(B, H, N, d)``; k_dot, v_dot: ``(B, Hkv, M, d)``; each may be None (= zero), which
-            compiles its terms out. When all four are None, zeros are returned without a launch.
+            compiles its terms out. When all four and ``o_dot`` are None, zeros are returned without a launch.
 
     Returns:
         ``(dq_dot, dk_dot, dv_dot)`` shaped and typed like ``q, k, v`` (``dk_dot``, ``dv_dot`` summed over
@@ -556,7 +568,9 @@ def backward_jvp(
     common.check_qkv(q, k, v)
     common.check_shaped_like(("do", do, q), ("o", o, q), ("q_dot", q_dot, q), ("k_dot", k_dot, k), ("v_dot", v_dot, v),
                              ("do_dot", do_dot, q))
-    if q_dot is None and k_dot is None and v_dot is None and do_dot is None:
+    if (o_dot is None) != (stats_dot is None):
+        raise ValueError("o_dot and stats_dot: pass both tangents (the forward's, from forward_jvp) or neither")
+    if q_dot is None and k_dot is None and v_dot is None and do_dot is None and o_dot is None:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     key_mask, has_key_mask = common.key_mask_operand(key_mask, q, k)
     q, k, v, do, o = (common.operand(x, q) for x in (q, k, v, do, o))
@@ -569,16 +583,23 @@ def backward_jvp(
     tangents = tuple(
         _tangent_operand(x, like, q) for x, like in ((q_dot, q), (k_dot, k), (v_dot, k), (do_dot, q))
     )
-    r_dot, delta_dot = torch.empty_like(delta), torch.empty_like(delta)
     dq_dot, dk_dot, dv_dot = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    row_scalars = (stats, delta, r_dot, delta_dot, key_mask, heads)
     scalars = (heads // kv_heads, n, m, scale * common.LOG2E.value, scale)
-
-    configs.launch(
-        "jvp_rows", _row_scalars_kernel, common.row_grid(n, batch * heads),
-        *common.with_strides(q, k, v, o, do, *tangents), *row_scalars, *scalars, head_dim=head_dim, dtype=q.dtype,
-        length=n, descriptors=(q, k, v, o, do, *tangents), **constants,
-    )
+    if o_dot is None:
+        r_dot, delta_dot = torch.empty_like(delta), torch.empty_like(delta)
+        configs.launch(
+            "jvp_rows", _row_scalars_kernel, common.row_grid(n, batch * heads),
+            *common.with_strides(q, k, v, o, do, *tangents), stats, delta, r_dot, delta_dot, key_mask, heads,
+            *scalars, head_dim=head_dim, dtype=q.dtype, length=n, descriptors=(q, k, v, o, do, *tangents),
+            **constants,
+        )
+    else:
+        common.check_shaped_like(("o_dot", o_dot, q), ("stats_dot", stats_dot, stats))
+        r_dot = common.logsumexp(common.softmax_stats(stats_dot, q)).contiguous()
+        delta_dot = row_dot_products(do, common.operand(o_dot, q))
+        if do_dot is not None:
+            delta_dot += row_dot_products(common.operand(do_dot, q), o)
+    row_scalars = (stats, delta, r_dot, delta_dot, key_mask, heads)
     configs.launch(
         "jvp_dq", _dq_dot_kernel, common.row_grid(n, batch * heads),
         *common.with_strides(q, k, v, do, *tangents, dq_dot), *row_scalars, *scalars, head_dim=head_dim, dtype=q.dtype,
