@@ -162,10 +162,10 @@ def test_forward_over_reverse_reuses_the_forward_tangents(gen, monkeypatch):
     monkeypatch.setattr(configs, "launch", lambda name, *a, **kw: launched.append(name) or launch(name, *a, **kw))
     (q, k, v, do), (q_dot, k_dot, v_dot, do_dot), options = random_case(gen, gqa=True, causal=True, masked=True,
                                                                         head_dim=16)
-    bob = lambda q, k, v: flashbob.attention(q, k, v, backend="triton", **options)  # noqa: E731
-    ref = lambda q, k, v: reference.attention(q, k, v, **options)  # noqa: E731
-    loss = lambda fn: lambda q, k, v: fn(q, k, v).sin().sum()  # noqa: E731
-    hvp = lambda fn: jvp(grad(loss(fn), argnums=(0, 1, 2)), (q, k, v), (q_dot, k_dot, v_dot))[1]  # noqa: E731
+    bob = lambda q, k, v: flashbob.attention(q, k, v, backend="triton", **options)
+    ref = lambda q, k, v: reference.attention(q, k, v, **options)
+    loss = lambda fn: lambda q, k, v: fn(q, k, v).sin().sum()
+    hvp = lambda fn: jvp(grad(loss(fn), argnums=(0, 1, 2)), (q, k, v), (q_dot, k_dot, v_dot))[1]
     with configs.override(block_m=16, block_n=16):
         got = hvp(bob)
         assert "jvp_fwd" in launched and "jvp_cols" in launched and "jvp_rows" not in launched, launched

@@ -69,7 +69,7 @@ def run_kernels(inputs, tangents, *, causal, scale, key_mask=None, given_forward
     o, stats = kernels.forward(q, k, v, **flags)
     *_, delta = kernels.backward(q, k, v, o, stats, do, **flags)
     o_dot, stats_dot = kernels.forward_jvp(q, k, v, o, stats, q_dot, k_dot, v_dot, **flags)
-    given = dict(o_dot=o_dot, stats_dot=stats_dot) if given_forward_tangents else {}
+    given = {"o_dot": o_dot, "stats_dot": stats_dot} if given_forward_tangents else {}
     dots = kernels.backward_jvp(q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, **flags, **given)
     return dict(zip(OUTPUTS, (o_dot, *dots)))
 
