@@ -12,11 +12,13 @@ forward's statistics, :math:`dP = dO\, V^\top` and :math:`\Delta_i = dO_i \cdot 
     d\dot Q = \tau(d\dot S K + dS \dot K),\quad d\dot K = \tau(d\dot S^\top Q + dS^\top \dot Q),\quad
     d\dot V = (P \circ (\dot S - \dot r))^\top dO + P^\top d\dot O
 
-Schedule (no N x M tensor): :func:`forward_jvp` is one row sweep; :func:`backward_jvp` is a row sweep
-for the row scalars :math:`\dot r, \dot\Delta` (no d-vector accumulator: :math:`dO_i \cdot \dot O_i` is
-summed from :math:`dP` directly), a row sweep for :math:`d\dot Q` and a column sweep for
-:math:`d\dot K, d\dot V`: 5 + 8 + 10 matrix products per tile pair, 46 N·M·d FLOPs (non-causal; 24 N·M·d by
-the benchmarks' convention). Absent tangents are compiled out (``HAS_Q_DOT``, ...).
+Schedule (no N x M tensor): :func:`forward_jvp` is one row sweep (which also gives :math:`\dot r`, the
+statistics' tangent); :func:`backward_jvp` is a row sweep for the row scalars :math:`\dot r, \dot\Delta` (no
+d-vector accumulator: :math:`dO_i \cdot \dot O_i` is summed from :math:`dP` directly), a row sweep for
+:math:`d\dot Q` and a column sweep for :math:`d\dot K, d\dot V`: 5 + 8 + 10 matrix products per tile pair,
+46 N·M·d FLOPs (non-causal; 24 N·M·d by the benchmarks' convention). Given :func:`forward_jvp`'s tangents (as
+in forward-over-reverse) the first sweep is replaced by two row dot products: 8 + 10 products, 36 N·M·d.
+Absent tangents are compiled out (``HAS_Q_DOT``, ...).
 """
 
 from __future__ import annotations
