@@ -199,6 +199,22 @@ def test_hessian_matches_reference(gen):
             assert_matches(a, b, TOL)
 
 
+@needs_interpreter
+def test_hessian_through_the_kernels(gen):
+    """torch.func.hessian and torch.autograd.functional.hessian(vectorize=True) with the Triton kernels: the
+    vmapped tangents of the forward reach the backward's tangent (forward-over-reverse) and are folded into
+    its batch. One query head per key head's pair (GQA), causal, a masked key, N != M."""
+    q = torch.randn(1, 2, 3, 16, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(1, 1, 5, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    options = dict(causal=True, key_mask=torch.tensor([[True, True, False, True, True]]))
+    loss = lambda fn: lambda q: fn(q, k, v, **options).pow(2).sum()  # noqa: E731
+    want = hessian(loss(reference.attention))(q)
+    bob = loss(lambda *a, **o: flashbob.attention(*a, backend="triton", **o))
+    with configs.override(block_m=16, block_n=16):
+        assert_matches(hessian(bob)(q), want, TOL)
+        assert_matches(torch.autograd.functional.hessian(bob, q, vectorize=True), want, TOL)
+
+
 def test_dual_tensors_and_forward_over_reverse_with_forward_ad(gen):
     """torch.autograd.forward_ad: the output's tangent, and the tangent of a create_graph gradient."""
     (q, k, v, _), (q_dot, _, v_dot, _), options = random_case(gen, gqa=False, causal=True, masked=True)
