@@ -363,9 +363,9 @@ def backward_jvp(
 ):
     """Tangents ``(dQ̇, dK̇, dV̇)`` of the first backward ``(Q, K, V, dO) -> (dQ, dK, dV)`` (forward-over-reverse).
 
-    ``o``, ``lse`` and ``Δ = delta`` are the saved forward and backward results, constants here: the
-    formulas include every path through them (``Ȯ`` is recomputed, as ``O`` enters the backward
-    detached). Any of the tangents ``Q̇, K̇, V̇, dȮ`` may be None (zero)::
+    ``o``, ``lse`` and ``Δ = delta`` are the saved forward and backward results; without ``o_dot`` and
+    ``stats_dot`` they are constants here and the formulas include every path through them (``ṙ`` and ``Ȯ`` are
+    recomputed). Any of the tangents ``Q̇, K̇, V̇, dȮ`` may be None (zero)::
 
         Δ̇   = rowsum(dȮ ∘ O + dO ∘ Ȯ)
         dṠ  = P ∘ ((Ṡ - ṙ) ∘ (dP - Δ) + dṖ - Δ̇)
