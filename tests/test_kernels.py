@@ -11,6 +11,7 @@ from flashbob.kernels import configs
 from tests.helpers import (
     KERNEL_DEVICE,
     KERNEL_EXACT_DTYPE,
+    assert_matches,
     assert_terms_match,
     needs_gpu,
     needs_interpreter,
@@ -451,6 +452,23 @@ def test_tma_variant_falls_back_to_the_base_code(gen, monkeypatch):
     with configs.override(block_m=16, block_n=16, variant="tma"):
         outputs = run_kernels(inputs, COTANGENTS, causal=True, scale=0.3)
     assert_matches_reference(outputs, inputs, COTANGENTS, causal=True, scale=0.3, tolerance=TOLERANCE[EXACT])
+
+
+def test_backward_is_two_launches_and_returns_delta(gen, monkeypatch):
+    """The first-order backward launches dQ (which also writes delta = rowsum(dO ∘ O)) and then dK/dV, no delta
+    kernel of its own; its delta is the float64 row dot product, in the accumulator dtype."""
+    launched = []
+    launch = configs.launch
+    monkeypatch.setattr(configs, "launch", lambda name, *a, **kw: launched.append(name) or launch(name, *a, **kw))
+    inputs = make_inputs(gen, (2, 4, 2, 19, 23, 16), EXACT)
+    q, k, v, do = (inputs[name] for name in ("q", "k", "v", "do"))
+    o, stats = kernels.forward(q, k, v, causal=True, scale=0.3)
+    launched.clear()
+    with configs.override(block_m=16, block_n=16):
+        *_, delta = kernels.backward(q, k, v, o, stats, do, causal=True, scale=0.3)
+    assert launched == ["dq", "dkdv"]
+    assert delta.dtype == stats.dtype and delta.shape == q.shape[:3]
+    assert_matches(delta, (do.double() * o.double()).sum(-1), TOLERANCE[EXACT], "delta")
 
 
 def test_default_variants():

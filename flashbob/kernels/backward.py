@@ -1,4 +1,5 @@
-"""Attention backward, FlashAttention-2's split: delta, then dK/dV by key block and dQ by query block."""
+"""Attention backward, FlashAttention-2's split: dQ by query block (which also writes delta = rowsum(dO ∘ O)), then
+dK/dV by key block."""
 
 from __future__ import annotations
 
@@ -129,15 +130,17 @@ def _dq_inner(
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO,
+    Q, K, V, DO, O,
     DQ,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-    stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
+    stride_dob, stride_doh, stride_don, stride_ob, stride_oh, stride_on, stride_dqb, stride_dqh, stride_dqn,
     STATS, DELTA, KEY_MASK, heads, group, N, M, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
-    r""":math:`dQ = \tau\, dS K` of one query block, key blocks split as in the forward (and ``TMA`` as there)."""
+    r""":math:`dQ = \tau\, dS K` of one query block, key blocks split as in the forward (and ``TMA`` as there);
+    first its rows' :math:`\Delta_i = dO_i \cdot O_i`, which it stores in ``DELTA`` for the dK/dV sweep (launched
+    after it), so that the backward needs no launch of its own for them."""
     start_m, rows, batch_head, batch, head, kv_head, key_mask_base = common.query_block(heads, group, KEY_MASK, M, BLOCK_M)
     k_src = common.head_tile_source(K, batch, kv_head, stride_kb, stride_kh, M, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D,
                                     TMA)
@@ -148,9 +151,13 @@ def _dq_kernel(
                                      TMA)
     q = common.load_block(q_src, start_m, rows, N, stride_qn, HEAD_DIM, BLOCK_D, TMA)
     do = common.load_block(do_src, start_m, rows, N, stride_don, HEAD_DIM, BLOCK_D, TMA)
+    o_src = common.head_tile_source(O, batch, head, stride_ob, stride_oh, N, stride_on, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+    o = common.load_block(o_src, start_m, rows, N, stride_on, HEAD_DIM, BLOCK_D, TMA)
+    acc_dtype = DELTA.dtype.element_ty
+    delta = tl.sum(o.to(acc_dtype) * do.to(acc_dtype), 1)
+    common.store_rows(common.row_vector_pointer(DELTA, batch_head, N), delta, rows, N)
     row_max, log_sum = common.load_softmax_stats(common.softmax_stats_pointer(STATS, batch_head, N), rows, N)
-    delta = common.load_rows(common.row_vector_pointer(DELTA, batch_head, N), rows, N)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=DELTA.dtype.element_ty)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
 
     unmasked_end, end = common.row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
     whole_end = common.whole_block_end(unmasked_end, BLOCK_N, TMA)
@@ -210,19 +217,19 @@ def backward(
     batch, heads, n, head_dim = q.shape
     kv_heads, m = k.shape[1], k.shape[2]
     stats = common.softmax_stats(stats, q)
-    delta = row_dot_products(o, do)
+    delta = torch.empty(q.shape[:3], dtype=stats.dtype, device=q.device)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     constants = common.kernel_constants(q, causal, allow_tf32, has_key_mask)
     scalars = (heads // kv_heads, n, m, scale * common.LOG2E.value, scale)
 
+    configs.launch(  # first: it also writes delta, which dK/dV read
+        "dq", _dq_kernel, common.row_grid(n, batch * heads), *common.with_strides(q, k, v, do, o, dq), stats, delta,
+        key_mask, heads, *scalars, head_dim=head_dim, dtype=q.dtype, length=n, descriptors=(q, k, v, do, o, dq),
+        **constants,
+    )
     configs.launch(
         "dkdv", _dkdv_kernel, common.column_grid(m, batch * kv_heads), *common.with_strides(q, k, v, do, dk, dv), stats,
         delta, key_mask, heads, kv_heads, *scalars, head_dim=head_dim, dtype=q.dtype, length=m,
         descriptors=(q, k, v, do, dk, dv), **constants,
-    )
-    configs.launch(
-        "dq", _dq_kernel, common.row_grid(n, batch * heads), *common.with_strides(q, k, v, do, dq), stats, delta,
-        key_mask, heads, *scalars, head_dim=head_dim, dtype=q.dtype, length=n, descriptors=(q, k, v, do, dq),
-        **constants,
     )
     return dq, dk, dv, delta
