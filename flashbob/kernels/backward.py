@@ -15,8 +15,10 @@ def _delta_kernel(
     O, DO, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don, DELTA, heads, N,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    r""":math:`\Delta_i = dO_i \cdot O_i` (:math:`= \sum_j P_{ij}\, dP_{ij}`) for one query block (no key
-    blocks: ``BLOCK_N``, which :func:`~flashbob.kernels.configs.launch` passes to every kernel, is unused)."""
+    r"""The row dot products :math:`O_i \cdot dO_i` of one query block for any two operands in these places
+    (:func:`row_dot_products`; forward mode's :math:`\dot\Delta` terms; the backward's own :math:`\Delta` comes from
+    the dQ kernel). No key blocks: ``BLOCK_N``, which :func:`~flashbob.kernels.configs.launch` passes to every
+    kernel, is unused."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     batch_head = tl.program_id(1)
     batch, head = batch_head // heads, batch_head % heads
