@@ -215,17 +215,21 @@ def on_device(backend, problem, bars):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", ["shift+", "shift-"])
 def test_shifted_logits_float32_no_worse_than_eager(gen, backend, kind):
-    """float32 at scores ~1e4: every output within 2x the error of eager autograd in float32.
+    """float32 at scores ~1e4: every output within 3x the error of eager autograd in float32.
 
     Failed before the blocked backend normalised P by its row sums (dQ ~100x, Q̄ ~400x worse), and
-    on the kernels while they kept one float32 lse (row max and log-sum are now stored apart)."""
+    on the kernels while they kept one float32 lse (row max and log-sum are now stored apart). The bar was
+    2x until a CI draw (seed 1598375695) gave the kernels' K̄ 2.4x eager's error: over 350 seeded draws in the
+    interpreter (2026-12-01) the kernels' worst output was at most 2.84x eager's (K̄ or dK, whose column sweeps
+    recompute the ~1e4 scores as K Qᵀ, rounded apart from the forward's Q Kᵀ), above 2x in 5 draws, and
+    typically below 1.5x; all errors ~1e-3 relative, eager's ~3-7e-4."""
     problem, bars = on_device(backend, *extreme_problem(gen, kind, torch.float32))
     ours = all_outputs(attention_fn(backend), *problem, bars)
     eager = all_outputs(reference.attention, *problem, bars)
     exact = all_outputs(reference.attention, *(x.double() for x in problem), [b.double() for b in bars])
     for name, a, e, r in zip(OUTPUTS, ours, eager, exact):
         assert torch.isfinite(a).all(), name
-        assert relative_error(a, r) <= 2 * relative_error(e, r) + 1e-6, name
+        assert relative_error(a, r) <= 3 * relative_error(e, r) + 1e-6, name
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
