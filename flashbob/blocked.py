@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
-from flashbob.inputs import accumulator_dtype
+from flashbob.inputs import accumulator_dtype, check_forward_tangents
 
 #: Largest number of score-matrix elements (summed over batch and heads) one panel may hold.
 PANEL_ELEMENTS = 1 << 22
@@ -382,8 +382,7 @@ def backward_jvp(
     (:func:`forward_jvp`'s, as in a forward-over-reverse product); given, ``ṙ`` and ``Δ̇`` are taken from them
     instead of ``Ȯ`` being recomputed.
     """
-    if (o_dot is None) != (stats_dot is None):
-        raise ValueError("o_dot and stats_dot: pass both tangents (the forward's, from forward_jvp) or neither")
+    check_forward_tangents(o_dot, stats_dot)
     if q_dot is None and k_dot is None and v_dot is None and do_dot is None and o_dot is None:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dtype, kv_heads, n, m = accumulator_dtype(q.dtype), k.shape[1], q.shape[2], k.shape[2]

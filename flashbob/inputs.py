@@ -127,6 +127,13 @@ def check_key_mask(key_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tens
     return key_mask.expand(batch, m).contiguous()
 
 
+def check_forward_tangents(o_dot: torch.Tensor | None, stats_dot: torch.Tensor | None) -> None:
+    """Raise a ValueError unless the tangents of the forward's output and statistics that a backend's
+    ``backward_jvp`` may take come together (both or neither)."""
+    if (o_dot is None) != (stats_dot is None):
+        raise ValueError("o_dot and stats_dot: pass both tangents (the forward's, from forward_jvp) or neither")
+
+
 def check_backend(backend: str) -> None:
     """Raise a ValueError unless ``backend`` is one of :data:`BackendName`."""
     if backend not in get_args(BackendName):

@@ -120,6 +120,14 @@ def test_blocked_panels_of_one_row_and_column(gen):
         assert_matches(a, b, TOL)
 
 
+def test_blocked_backward_jvp_takes_both_forward_tangents_or_neither(gen):
+    (q, k, v, do), (q_dot, *_), options = random_case(gen, gqa=False, causal=False, masked=False)
+    o, lse = blocked.forward(q, k, v, scale=0.5, **options)
+    delta = blocked.backward(q, k, v, o, lse, do, scale=0.5, **options)[3]
+    with pytest.raises(ValueError, match="o_dot and stats_dot: pass both"):
+        blocked.backward_jvp(q, k, v, do, o, lse, delta, q_dot, None, None, None, scale=0.5, o_dot=o, **options)
+
+
 def test_gradcheck_forward_and_backward_ad(gen):
     """PyTorch's own checks: forward AD, backward AD, batched (vmapped) versions of both, and the
     second-order forward-over-reverse and reverse-over-reverse checks, against finite differences."""

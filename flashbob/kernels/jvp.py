@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashbob.inputs import check_forward_tangents
+
 from . import common, configs
 from .backward import row_dot_products
 
@@ -570,8 +572,7 @@ def backward_jvp(
     common.check_qkv(q, k, v)
     common.check_shaped_like(("do", do, q), ("o", o, q), ("q_dot", q_dot, q), ("k_dot", k_dot, k), ("v_dot", v_dot, v),
                              ("do_dot", do_dot, q))
-    if (o_dot is None) != (stats_dot is None):
-        raise ValueError("o_dot and stats_dot: pass both tangents (the forward's, from forward_jvp) or neither")
+    check_forward_tangents(o_dot, stats_dot)
     if q_dot is None and k_dot is None and v_dot is None and do_dot is None and o_dot is None:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     key_mask, has_key_mask = common.key_mask_operand(key_mask, q, k)
