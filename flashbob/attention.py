@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from flashbob import blocked
-from flashbob.autograd import Attention
+from flashbob.autograd import Attention, apply
 from flashbob.inputs import BackendName, check_backend, check_inputs, check_key_mask, check_options
 
 
@@ -113,5 +113,5 @@ def attention(
     key_mask = check_key_mask(key_mask, q, k)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    o, _stats = Attention.apply(q, k, v, key_mask, causal, float(scale), select_backend(q, backend))
+    o, _stats = apply(Attention, q, k, v, key_mask, causal, float(scale), select_backend(q, backend))
     return o

@@ -1,5 +1,7 @@
 """flashbob.attention: the autograd chain (exact first and second derivatives), checks and dispatch."""
 
+import inspect
+
 import pytest
 import torch
 from torch.autograd import gradcheck, gradgradcheck
@@ -139,3 +141,26 @@ def test_float64_cuda_tensors_take_the_blocked_backend():
     assert select_backend(cuda_like, "auto") is BLOCKED
     with pytest.raises(ValueError, match="does not take float64 CUDA tensors"):
         select_backend(cuda_like, "triton")
+
+
+def test_functions_skip_the_argument_binding_outside_transforms(monkeypatch, gen):
+    """Outside torch.func transforms the autograd Functions are applied without ``Function.apply``'s per-call
+    ``inspect.signature`` binding (host time of every call); under a transform, through ``Function.apply``."""
+    bound = []
+    signature = inspect.signature
+
+    def recorded(fn, *args, **kwargs):
+        bound.append(fn)
+        return signature(fn, *args, **kwargs)
+
+    monkeypatch.setattr(inspect, "signature", recorded)
+    q, k, v, do = attention_inputs(gen, batch=1, heads=2, kv_heads=1, n=5, m=7, head_dim=4)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    o = flashbob.attention(q, k, v, causal=True)
+    dq, _, _ = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+    torch.autograd.grad(dq.square().sum(), (q, k, v))
+    assert bound == []
+    expected = torch.autograd.grad((flashbob.attention(q, k, v) * do).sum(), q)[0]
+    under_grad = torch.func.grad(lambda q: (flashbob.attention(q, k, v) * do).sum())(q)
+    assert bound
+    torch.testing.assert_close(under_grad, expected, rtol=1e-12, atol=1e-12)

@@ -307,7 +307,7 @@ def test_launch_tunes_once_then_launches_the_pick(folders, monkeypatch):
     launches reuse it without timing; tuned_configs reports it."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setenv("FLASHBOB_AUTOTUNE", "1")
-    monkeypatch.setattr(configs, "_gpu", lambda args: GPU)
+    monkeypatch.setattr(configs, "_gpu", lambda args: (None, GPU))
     launched = []
 
     class Kernel:
@@ -372,7 +372,7 @@ def test_tuned_launches_give_the_reference_results(folders, monkeypatch, gen):
     nor cache knows, each kernel of the forward and backward is tuned on the call's own buffers, then its pick
     (here the last candidate, not the default) is launched; the outputs match the float64 oracle."""
     monkeypatch.setattr(configs, "tuning_mode", lambda: "on")  # as on a GPU with default settings
-    monkeypatch.setattr(configs, "_gpu", lambda args: GPU)
+    monkeypatch.setattr(configs, "_gpu", lambda args: (None, GPU))
     q, k, v, do = on_backend("triton", *attention_inputs(gen, batch=1, heads=2, kv_heads=1, n=20, m=20, head_dim=16))
     ticks = itertools.count()
     with tuning.timed_by(lambda run: (run(), -next(ticks))[1]):  # the later a candidate is timed, the faster

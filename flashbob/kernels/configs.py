@@ -234,23 +234,23 @@ def launch(kernel: str, jit_fn, grid, *args, head_dim: int, dtype: torch.dtype, 
     A kernel with variants also takes ``TMA``; ``descriptors`` are the operands that its ``"tma"`` variant
     addresses through tensor descriptors (:func:`variant_for`). Triton launches on the current device: on
     another GPU than the operands', the launch (and any tuning) runs with theirs made current."""
-    device = _cuda_index(args)
-    if device is not None and device != torch.cuda.current_device():
-        with torch.cuda.device(device):
-            _launch(kernel, jit_fn, grid, args, head_dim, dtype, length, descriptors, constants)
+    index, gpu = _gpu(args)
+    if index is not None and index != torch.cuda.current_device():
+        with torch.cuda.device(index):
+            _launch(kernel, jit_fn, grid, args, head_dim, dtype, length, descriptors, constants, gpu)
     else:
-        _launch(kernel, jit_fn, grid, args, head_dim, dtype, length, descriptors, constants)
+        _launch(kernel, jit_fn, grid, args, head_dim, dtype, length, descriptors, constants, gpu)
 
 
 def _launch(kernel: str, jit_fn, grid, args: tuple, head_dim: int, dtype: torch.dtype, length: int,
-            descriptors: tuple[torch.Tensor, ...], constants: dict) -> None:
+            descriptors: tuple[torch.Tensor, ...], constants: dict, gpu: str | None) -> None:
     run = functools.partial(_run, kernel, jit_fn, grid, args, constants, descriptors=descriptors)
     if _overrides:
         run(choose(kernel, head_dim, dtype, length))
         return
     key = tuning_key(kernel, head_dim, dtype, length, constants)
     space = candidates(kernel, head_dim, dtype, length)
-    memo = (key, _gpu(args), tuning_mode())
+    memo = (key, gpu, tuning_mode())
     if memo not in _PICKS:
         _PICKS[memo] = pick(key, space, *memo[1:], run=run)
     chosen = _PICKS[memo]
@@ -301,8 +301,15 @@ def descriptors_usable(tensors: tuple[torch.Tensor, ...]) -> bool:
             return False
     elif os.environ.get("TRITON_INTERPRET", "0") != "1":
         return False
-    return all(x.stride(-1) == 1 and x.data_ptr() % 16 == 0
-               and all(stride * x.element_size() % 16 == 0 for stride in x.stride()[:-1]) for x in tensors)
+    for x in tensors:  # plain loops: this runs at every launch of a kernel with the variant
+        *outer, last = x.stride()
+        if last != 1 or x.data_ptr() % 16:
+            return False
+        size = x.element_size()
+        for stride in outer:
+            if stride * size % 16:
+                return False
+    return True
 
 
 def forced_variant() -> str | None:
@@ -334,12 +341,14 @@ def _run(kernel: str, jit_fn, grid, args: tuple, constants: dict, config: BlockC
                  num_stages=config.num_stages)
 
 
-def _cuda_index(args: tuple) -> int | None:
-    """The index of the GPU that holds the first tensor of ``args``; None if it is not on a GPU."""
+def _gpu(args: tuple) -> tuple[int | None, str | None]:
+    """The index and name of the GPU that holds the first tensor of ``args``; ``(None, None)`` if it is not on a
+    GPU. One lookup per launch: the index picks the device to launch on, the name the configuration."""
     device = next((x.device for x in args if isinstance(x, torch.Tensor)), None)
     if device is None or device.type != "cuda":
-        return None
-    return torch.cuda.current_device() if device.index is None else device.index
+        return None, None
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return index, _device_name(index)
 
 
 def _ensure_allocator() -> None:
@@ -351,12 +360,6 @@ def _ensure_allocator() -> None:
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _gpu(args: tuple) -> str | None:
-    """The name of the GPU that holds the first tensor of ``args``; None if it is not on a GPU."""
-    index = _cuda_index(args)
-    return None if index is None else _device_name(index)
 
 
 @functools.cache
