@@ -4,7 +4,7 @@ curvlinops' GGN mat-vec through flashbob against SDPA's math backend, on a GPT (
     PYTHONPATH=. python benchmarks/bench_forward_hvp.py --out docs/results/bench_forward_hvp.csv
 
 Model: ``recipes.lm.model.GPT`` with 4 layers, d_model 512, 8 heads (head_dim 64), RMSNorm, a GELU
-MLP (PyTorch 2.13 has no forward-mode rule for the backward of SwiGLU's silu), tied embeddings, batch 1, bf16 autocast, random byte tokens (as ``bench_curvature.py``). Workloads, each
+MLP (as in the first runs, made when the recipe's SwiGLU could not take forward-over-reverse), tied embeddings, batch 1, bf16 autocast, random byte tokens (as ``bench_curvature.py``). Workloads, each
 from scratch (forward included), at every ``--contexts`` length through flashbob (Triton kernels):
 
 * ``grad``: one gradient, for scale;
@@ -49,7 +49,8 @@ from benchmarks.timing import median_ms, wall_median_ms
 from recipes.lm import model as lm_model
 
 VOCAB = 256
-# GELU MLP, not the recipe's default SwiGLU: PyTorch 2.13 has no forward-mode derivative of silu's backward.
+# GELU MLP, not the recipe's default SwiGLU, so that the figures compare with the first runs (before
+# recipes.common.transformer.silu, PyTorch 2.13's F.silu had no forward-mode derivative of its backward).
 GPU_MODEL = {"d_model": 512, "n_layers": 4, "n_heads": 8, "mlp": "gelu"}
 SMOKE_MODEL = {"d_model": 16, "n_layers": 1, "n_heads": 2, "mlp": "gelu"}
 

@@ -18,6 +18,8 @@ from recipes.common import checkpoint, data, run_folder
 from recipes.common.config import ConfigError
 from recipes.lm import optimizers
 from recipes.lm.__main__ import main
+from optim.curvature import functional, hvp
+from recipes.common.transformer import silu
 from recipes.lm.model import GPT, cross_entropy
 from recipes.lm.train import load_config, train
 from tests.runs import LM, META, read_jsonl
@@ -231,6 +233,26 @@ def test_model_is_twice_differentiable_with_activation_checkpointing():
         vec = [torch.ones_like(p) for p in params]
         products.append(torch.autograd.grad(grads, params, vec))
     assert all(torch.allclose(a, b) for a, b in zip(*products))
+
+
+def test_swiglu_model_takes_forward_over_reverse_hessian_products():
+    """The default GPT (SwiGLU, RMSNorm, flashbob) takes ``optim.hvp(..., mode="forward")``: its silu has a
+    forward-mode rule of its backward (``F.silu``'s has none in torch 2.13), and the product equals
+    reverse-over-reverse's in float64; first-order passes keep ``F.silu``."""
+    tokens = torch.randint(0, 256, (2, 17))
+    torch.manual_seed(0)
+    model = GPT(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, attention="blocked").double()
+    params = list(model.parameters())
+    vec = [torch.randn_like(p) for p in params]
+    loss = functional(model, lambda: cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]), params)
+    forward = hvp(loss, params, vec, mode="forward")
+    reverse = hvp(loss, params, vec, mode="reverse")
+    for a, b in zip(forward, reverse, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    with torch.autograd.forward_ad.dual_level():
+        gate = torch.autograd.forward_ad.make_dual(torch.randn(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64))
+        assert type(silu(gate).grad_fn).__name__ != "SiluBackward0"
+    assert type(silu(torch.randn(3, requires_grad=True)).grad_fn).__name__ == "SiluBackward0"
 
 
 class ClosureNewton(torch.optim.Optimizer):

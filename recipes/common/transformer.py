@@ -139,6 +139,51 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + constant(self.eps, xf))).to(x.dtype) * self.weight
 
 
+class _SiLU(torch.autograd.Function):
+    r""":math:`\mathrm{silu}(x) = x\, \sigma(x)` with :math:`\mathrm{silu}'(x) = \sigma(x)\,(1 + x\,(1 - \sigma(x)))`
+    written from elementary operations in its backward and its forward-mode rule.
+
+    ``F.silu``'s backward (``aten::silu_backward``) has no forward-mode derivative in torch 2.13, so a Hessian
+    product by forward-over-reverse (``optim.hvp(..., mode="forward")``, ``torch.autograd.forward_ad`` through
+    a gradient) fails on a SwiGLU MLP. Here the backward's operations carry tangents; the forward saves only
+    ``x`` and runs the fused ``F.silu``; the derivative is computed in at least float32 (as ``silu_backward``
+    does) and rounded to the input dtype."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return F.silu(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        (x,) = inputs
+        ctx.save_for_backward(x)
+        ctx.save_for_forward(x)
+
+    @staticmethod
+    def derivative(x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(compute_dtype(x))
+        s = torch.sigmoid(xf)
+        return (s * (1 + xf * (1 - s))).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return grad * _SiLU.derivative(x)
+
+    @staticmethod
+    def jvp(ctx, x_dot: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return x_dot * _SiLU.derivative(x)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """``F.silu(x)``; on inputs that carry forward-mode tangents, :class:`_SiLU`, whose backward has a forward-mode
+    derivative too (first-order passes keep the fused ``F.silu`` and its fused backward)."""
+    return _SiLU.apply(x) if fwAD.unpack_dual(x).tangent is not None else F.silu(x)
+
+
 def rotate(x: torch.Tensor, base: float) -> torch.Tensor:
     r"""Rotary position embedding of ``x`` ``(batch, heads, seq, head_dim)``: channel pair
     :math:`(x_i, x_{i + d/2})` at position :math:`t` turns by :math:`t\, \mathrm{base}^{-2i/d}`

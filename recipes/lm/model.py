@@ -19,7 +19,7 @@ from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from recipes.common.transformer import AttentionFn, AttentionSwitch, RMSNorm, kv_heads, rotate
+from recipes.common.transformer import AttentionFn, AttentionSwitch, RMSNorm, kv_heads, rotate, silu
 
 
 def make_norm(kind: str, dim: int) -> nn.Module:
@@ -69,7 +69,7 @@ class MLP(nn.Module):
         h = self.up(x)
         if self.kind == "swiglu":
             gate, h = h.chunk(2, dim=-1)
-            h = F.silu(gate) * h
+            h = silu(gate) * h
         else:
             h = F.gelu(h)
         return self.dropout(self.down(h))
@@ -149,5 +149,5 @@ class GPT(nn.Module):
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy in nats, computed in float32."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    """Mean next-token cross-entropy in nats, computed in at least float32 (float64 logits stay float64)."""
+    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)).flatten(0, 1), targets.flatten())
