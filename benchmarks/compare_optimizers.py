@@ -109,6 +109,8 @@ VARIANTS = {  # name: (optimizer, its settings)
                                           "optimizer.kwargs.curvature_batch=null"]),
     # SophiaH's estimate on both windows (the 2026-12-01 settings)
     "sophiah_full": ("sophiah", SOPHIA_H),
+    # SophiaH's Hutchinson products by forward over reverse (the first window run again with the probe as tangent)
+    "sophiah_forward": ("sophiah", [*SETTINGS["sophiah"], "optimizer.kwargs.mode=forward"]),
 }
 FIELDS = ["optimizer", "step", "tokens", "step_s", "train_s", "train_loss", "val_loss", "lr", "max_memory_gib"]
 LAST_STEPS = 10  # the summary's train loss is the mean over this many last steps

@@ -64,7 +64,8 @@ def test_sophia_steps_passes_attentions_and_syncs():
     """SophiaH: a plain step is one SDPA forward and backward with two host synchronisations (the optimizer's
     finiteness check and the recipe's loss, after the step); a refresh step with hessian_batch 1 (the comparison's
     setting) the gradient on SDPA and the estimate on closure(rows) through flashbob; without it (sophiah_full)
-    flashbob and a create_graph backward on the whole batch."""
+    flashbob and a create_graph backward on the whole batch; in forward mode (sophiah_forward) the estimate's pass
+    carries tangents through flashbob and no create_graph backward runs."""
     kinds = profiled("sophiah")
     plain, counter = kinds["plain"]
     assert set(plain) == {"step", "step / forward [grad, 2 rows]", "step / forward [grad, 2 rows] / attention: sdpa",
@@ -79,6 +80,11 @@ def test_sophia_steps_passes_attentions_and_syncs():
     refresh, _ = profiled("sophiah_full")["refresh"]
     assert calls(refresh, "step / forward [grad, 2 rows] / attention: flashbob") == 2
     assert calls(refresh, "step / backward (create_graph)") == 1 and "step / backward" not in refresh
+    refresh, _ = profiled("sophiah_forward")["refresh"]  # the product by forward over reverse on closure(rows)
+    product = "step / Hutchinson estimate / Hessian product"
+    assert calls(refresh, "step / forward [grad, 2 rows] / attention: sdpa") == 2
+    assert calls(refresh, product + " / forward [tangents, 1 rows] / attention: flashbob") == 2
+    assert calls(refresh, product + " / backward") == 1 and not any("create_graph" in phase for phase in refresh)
 
 
 def test_main_prints_a_table_per_kind_and_writes_the_csv(tmp_path, monkeypatch, capsys):

@@ -214,6 +214,47 @@ def test_sophia_h_hessian_batch_estimates_on_exactly_the_requested_rows(gen, hes
     torch.testing.assert_close(weight.grad, g, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("hessian_batch", [None, 3])
+def test_sophia_h_forward_mode_takes_the_same_steps_as_reverse_mode(gen, hessian_batch):
+    """SophiaH(mode="forward") takes each refresh's Hessian-vector products by forward-over-reverse (the closure run
+    again with the probe as tangent); with the same probes its steps equal reverse mode's, on the whole batch's
+    forward or on closure(rows); no call is differentiated twice."""
+    x, y = torch.randn(8, 5, generator=gen, dtype=DTYPE), torch.randint(0, 3, (8,), generator=gen)
+    weights = {}
+    for mode in ("reverse", "forward"):
+        torch.manual_seed(0)
+        model = MLP([5, 6, 3])
+        opt = SophiaH(model.parameters(), lr=0.05, betas=(0.9, 0.5), rho=10.0, update_period=2,
+                      hessian_batch=hessian_batch, mode=mode, module=model,
+                      generator=torch.Generator().manual_seed(1))  # fmt: skip
+        twice = []
+        for _ in range(3):
+            twice += [opt.differentiates_twice(), opt.differentiates_twice(rows=True)]
+            opt.step(lambda rows=slice(None), model=model: (F.cross_entropy(model(x[rows]), y[rows]), model(x[rows])))
+        assert any(twice) == (mode == "reverse")
+        assert opt.stats["unclipped_fraction"] > 0.3  # so that the steps depend on the estimates
+        weights[mode] = [p.detach() for p in model.parameters()]
+    for a, b in zip(weights["forward"], weights["reverse"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_sophia_h_forward_mode_needs_a_module_and_a_closure(gen):
+    x, y, w0 = softmax_regression(gen)
+    weight = w0.clone().requires_grad_()
+    with pytest.raises(ValueError, match=r"SophiaH\(mode='forward'\) needs module="):
+        SophiaH([weight], mode="forward")
+    with pytest.raises(ValueError, match="SophiaH: mode must be 'reverse' or 'forward', got 'both'"):
+        SophiaH([weight], mode="both")
+    model = MLP(list(w0.shape))
+    opt = SophiaH(model.parameters(), mode="forward", module=model)
+    loss = F.cross_entropy(model(x), y)
+    with pytest.raises(RuntimeError, match=r"mode='forward'\) takes its estimate through a closure.*update_hessian"):
+        opt.update_hessian(loss)
+    loss.backward(create_graph=True)
+    with pytest.raises(RuntimeError, match=r"mode='forward'\) takes its estimate through a closure.*without a closure"):
+        opt.step()
+
+
 def test_sophia_g_hessian_batch_samples_labels_on_exactly_the_requested_rows(gen):
     """SophiaG's refresh with hessian_batch 3: labels drawn from softmax of rows 0-2's logits (the seeded generator),
     g_hat the gradient of their mean cross-entropy, h_hat = 3 g_hat^2 (Gauss-Newton-Bartlett on the 3 rows)."""
@@ -519,10 +560,11 @@ def train(model: GPT, opt: torch.optim.Optimizer, batches: list[tuple[Tensor, Te
             for batch in batches]
 
 
-@pytest.mark.parametrize("name", ["sophiah", "sophiah_rows", "newtoncg"])
+@pytest.mark.parametrize("name", ["sophiah", "sophiah_rows", "sophiah_forward", "sophiah_rows_forward", "newtoncg"])
 def test_recipe_runs_sdpa_on_steps_without_curvature_and_matches_flashbob(name):
     """SophiaH (update_period 2): steps 1 and 3 refresh through flashbob, steps 2 and 4 run SDPA alone; with
-    hessian_batch the refresh steps take the gradient on SDPA and the estimate on closure(rows) through flashbob.
+    hessian_batch the refresh steps take the gradient on SDPA and the estimate on closure(rows) through flashbob;
+    in forward mode the estimate's pass with tangents (closure() or closure(rows)) runs flashbob, the rest SDPA.
     NewtonCG with a curvature batch in forward mode: closure() (gradient, trial points) and closure(rows) (the graph
     that J^T u differentiates once) on SDPA, the forward-mode J v of each CG product on flashbob. Losses and weights
     equal those of a model that always runs flashbob (blocked backend)."""
@@ -530,6 +572,8 @@ def test_recipe_runs_sdpa_on_steps_without_curvature_and_matches_flashbob(name):
     batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
     settings = {"sophiah": ("sophiah", dict(lr=1e-2, update_period=2)),
                 "sophiah_rows": ("sophiah", dict(lr=1e-2, update_period=2, hessian_batch=1)),
+                "sophiah_forward": ("sophiah", dict(lr=1e-2, update_period=2, mode="forward")),
+                "sophiah_rows_forward": ("sophiah", dict(lr=1e-2, update_period=2, hessian_batch=1, mode="forward")),
                 "newtoncg": ("newtoncg", dict(curvature_batch=1, mode="forward", max_cg_iters=3,
                                               warm_start_decay=0.0))}  # fmt: skip
     optimizer, kwargs = settings[name]
@@ -553,7 +597,7 @@ def test_recipe_runs_sdpa_on_steps_without_curvature_and_matches_flashbob(name):
     first, twice = ["first_order"] * layers, ["twice"] * layers
     if name == "sophiah":
         assert sdpa_steps == [twice, first] * 2
-    elif name == "sophiah_rows":
+    elif name.startswith("sophiah"):  # rows, or forward mode: the gradient on SDPA, the estimate's pass after it
         assert sdpa_steps == [first + twice, first] * 2
     else:
         for calls, iterations in zip(sdpa_steps, cg_iters):
