@@ -164,13 +164,17 @@ class Attention(torch.autograd.Function):
         if do is None:  # O's cotangent is absent (zero)
             return None, None, None, None, None, None, None
         q, k, v, o, stats, key_mask = ctx.saved_tensors
-        dq, dk, dv, _delta = apply(AttentionBackward, q, k, v, do, o, stats, key_mask, ctx.causal, ctx.scale, ctx.backend)
+        dq, dk, dv, _delta = apply(
+            AttentionBackward, q, k, v, do, o, stats, key_mask, ctx.causal, ctx.scale, ctx.backend
+        )
         return dq, dk, dv, None, None, None, None
 
     @staticmethod
     def jvp(ctx, q_dot, k_dot, v_dot, *_):
         q, k, v, o, stats, key_mask = ctx.saved_tensors
-        return apply(AttentionTangent, q, k, v, o, stats, q_dot, k_dot, v_dot, key_mask, ctx.causal, ctx.scale, ctx.backend)
+        return apply(
+            AttentionTangent, q, k, v, o, stats, q_dot, k_dot, v_dot, key_mask, ctx.causal, ctx.scale, ctx.backend
+        )
 
     @staticmethod
     def vmap(info, in_dims, *args):
@@ -200,7 +204,8 @@ class AttentionBackward(torch.autograd.Function):
     def backward(ctx, dq_bar, dk_bar, dv_bar, _delta_grad):
         q, k, v, do, o, stats, delta, key_mask = ctx.saved_tensors
         q_bar, k_bar, v_bar, do_bar = apply(
-            BackwardOverBackward, q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, key_mask, ctx.causal, ctx.scale, ctx.backend
+            BackwardOverBackward, q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, key_mask, ctx.causal, ctx.scale,
+            ctx.backend,
         )
         return q_bar, k_bar, v_bar, do_bar, None, None, None, None, None, None
 
@@ -210,8 +215,8 @@ class AttentionBackward(torch.autograd.Function):
         if o_dot is None or stats_dot is None:  # O entered without the forward's tangent: recompute it
             o_dot = stats_dot = None
         dq_dot, dk_dot, dv_dot = apply(
-            AttentionBackwardTangent, q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, o_dot, stats_dot, key_mask, ctx.causal,
-            ctx.scale, ctx.backend,
+            AttentionBackwardTangent, q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, o_dot, stats_dot,
+            key_mask, ctx.causal, ctx.scale, ctx.backend,
         )
         return dq_dot, dk_dot, dv_dot, None
 
