@@ -13,7 +13,9 @@ Three parts:
    the functions with the largest own time are printed (not written to the CSV).
 3. ``gpt``: one gradient of the 4-layer GPT (d_model 512, 8 heads of 64, byte vocabulary, bf16
    autocast, batch 1) at each ``--contexts`` length, attention through flashbob or through SDPA
-   (cuDNN / flash, as torch picks), CUDA-event median; ``ratio`` = flashbob / SDPA.
+   (cuDNN / flash, as torch picks), CUDA-event median; ``ratio`` = flashbob / SDPA; and a Hessian-vector product
+   through flashbob (``hvp_reverse``, ``hvp_forward``: :mod:`benchmarks.bench_forward_hvp`'s, from scratch), whose
+   ``ratio`` is to the SDPA gradient (issue 20's HVP target).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import time
 import torch
 
 import flashbob
+from benchmarks.bench_forward_hvp import hvp_workloads
 from benchmarks.results import write_rows
 from benchmarks.timing import median_ms
 from recipes.common.transformer import attention_function
@@ -97,8 +100,14 @@ def gpt_rows(contexts, warmup: int, reps: int) -> list[dict]:
             for _ in range(warmup):
                 grad()
             times[impl] = median_ms(grad, reps)
-        for impl, ms in times.items():
-            rows.append({"part": "gpt", "impl": impl, "workload": "grad", "context": context, "ms": round(ms, 3),
+        products = hvp_workloads(models["flashbob"], tokens[:, :-1], tokens[:, 1:], "cuda")
+        for mode in ("hvp_reverse", "hvp_forward"):  # issue 20: an HVP against the SDPA gradient
+            for _ in range(warmup):
+                products[mode]()
+            times[mode] = median_ms(products[mode], reps)
+        for name, ms in times.items():
+            impl, workload = ("flashbob", name) if name.startswith("hvp") else (name, "grad")
+            rows.append({"part": "gpt", "impl": impl, "workload": workload, "context": context, "ms": round(ms, 3),
                          "ratio": round(ms / times["sdpa"], 3)})
     return rows
 
