@@ -14,12 +14,12 @@ import torch
 from omegaconf import OmegaConf
 from wandb.proto import wandb_internal_pb2
 
+from optim.curvature import functional, hvp
 from recipes.common import checkpoint, data, run_folder
 from recipes.common.config import ConfigError
+from recipes.common.transformer import silu
 from recipes.lm import optimizers
 from recipes.lm.__main__ import main
-from optim.curvature import functional, hvp
-from recipes.common.transformer import silu
 from recipes.lm.model import GPT, cross_entropy
 from recipes.lm.train import load_config, train
 from tests.runs import LM, META, read_jsonl
@@ -250,7 +250,7 @@ def test_swiglu_model_takes_forward_over_reverse_hessian_products():
     for a, b in zip(forward, reverse, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     with torch.autograd.forward_ad.dual_level():
-        gate = torch.autograd.forward_ad.make_dual(torch.randn(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64))
+        gate = torch.autograd.forward_ad.make_dual(torch.randn(3), torch.ones(3))
         assert type(silu(gate).grad_fn).__name__ != "SiluBackward0"
     assert type(silu(torch.randn(3, requires_grad=True)).grad_fn).__name__ == "SiluBackward0"
 

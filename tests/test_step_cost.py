@@ -239,6 +239,8 @@ def test_sophia_h_forward_mode_takes_the_same_steps_as_reverse_mode(gen, hessian
 
 
 def test_sophia_h_forward_mode_needs_a_module_and_a_closure(gen):
+    """mode='forward' without module=, an unknown mode, and forward mode without a closure (update_hessian, or a
+    step after backward(create_graph=True)) are errors that say what to do."""
     x, y, w0 = softmax_regression(gen)
     weight = w0.clone().requires_grad_()
     with pytest.raises(ValueError, match=r"SophiaH\(mode='forward'\) needs module="):
