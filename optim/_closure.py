@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from optim import distributed as _dist
@@ -69,6 +69,18 @@ UNIT_INTERVAL = Rule(0.0, 1.0)
 DECAY = Rule(0.0, 1.0, high_open=True)  # an EMA coefficient, [0, 1)
 BETAS = Rule(0.0, 1.0, high_open=True, size=2)
 COUNT = Rule(1, integer=True)
+
+
+def check_mode(owner: str, mode: Any, module: Any) -> None:
+    """Raise ``ValueError`` unless ``mode`` is ``"reverse"`` or ``"forward"``, and, for ``"forward"``, ``module`` is
+    the ``nn.Module`` whose closure a forward-mode product runs again (through :func:`optim.functional`)."""
+    if mode not in ("reverse", "forward"):
+        raise ValueError(f"{owner}: mode must be 'reverse' or 'forward', got {mode!r}")
+    if mode == "forward" and not isinstance(module, nn.Module):
+        raise ValueError(
+            f"{owner}(mode='forward') needs module=, the nn.Module that holds the parameters: forward mode runs "
+            f"the closure again with tangents attached to them (through optim.functional); got {module!r}"
+        )
 
 
 def check_hyperparameters(owner: str, values: Mapping[str, Any], rules: Mapping[str, Rule]) -> None:

@@ -232,13 +232,7 @@ class NewtonCG(_closure.SecondOrderOptimizer):
         _closure.check_rows("NewtonCG", "curvature_batch", curvature_batch)
         if not isinstance(backtrack_accept, bool):
             raise ValueError(f"NewtonCG: invalid backtrack_accept: {backtrack_accept!r}; expected True or False")
-        if mode not in ("reverse", "forward"):
-            raise ValueError(f"NewtonCG: mode must be 'reverse' or 'forward', got {mode!r}")
-        if mode == "forward" and not isinstance(module, nn.Module):
-            raise ValueError(
-                "NewtonCG(mode='forward') needs module=, the nn.Module that holds the parameters: forward mode runs "
-                f"the closure again with tangents attached to them (through optim.functional); got {module!r}"
-            )
+        _closure.check_mode("NewtonCG", mode, module)
         defaults = dict(
             lr=lr, damping=damping, adapt_damping=adapt_damping, curvature=curvature, curvature_batch=curvature_batch,
             mode=mode, max_cg_iters=max_cg_iters, cg_tol=cg_tol, progress_tol=progress_tol,

@@ -427,13 +427,7 @@ class SophiaH(_Sophia):
         bias_correction: bool = False,
     ) -> None:  # fmt: skip
         _closure.check_hyperparameters(self._owner, {"num_samples": num_samples}, {"num_samples": _closure.COUNT})
-        if mode not in ("reverse", "forward"):
-            raise ValueError(f"SophiaH: mode must be 'reverse' or 'forward', got {mode!r}")
-        if mode == "forward" and not isinstance(module, nn.Module):
-            raise ValueError(
-                "SophiaH(mode='forward') needs module=, the nn.Module that holds the parameters: forward mode runs "
-                f"the closure again with tangents attached to them (through optim.functional); got {module!r}"
-            )
+        _closure.check_mode("SophiaH", mode, module)
         super().__init__(params, lr, betas, rho, weight_decay, eps, update_period, maximize, generator, distributed,
                          hessian_batch, bias_correction)
         self.distribution, self.num_samples = distribution, num_samples
