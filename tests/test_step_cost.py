@@ -183,6 +183,18 @@ def test_curvature_batch_bad_input_is_named(gen):
         NewtonCG([weight], mode="forward")
 
 
+def rho_that_splits(m: Tensor, h: Tensor) -> float:
+    """A rho at which Sophia's first step clip(m / max(rho h, eps), 1) clips some coordinates and leaves others
+    unclipped, for any data: the geometric mean of the two middle ratios |m| / h over the coordinates with h > 0
+    (a fixed rho left every coordinate clipped on some seeds, and the step then did not depend on h)."""
+    ratios = (m.abs() / h)[h > 0].sort().values
+    assert len(ratios) > 0, "no positive curvature estimate: every coordinate is clipped at any rho"
+    if len(ratios) == 1:
+        return 2 * ratios[0].item()
+    middle = len(ratios) // 2
+    return math.sqrt(ratios[middle - 1].item() * ratios[middle].item())
+
+
 def softmax_regression_closure(x: Tensor, y: Tensor, weight: Tensor, seen: list | None = None):
     def closure(rows=slice(None)):
         if seen is not None:
@@ -199,17 +211,18 @@ def test_sophia_h_hessian_batch_estimates_on_exactly_the_requested_rows(gen, hes
     0-2), H_3 the Hessian of the mean loss over rows 0-2 by torch.func, u the Gaussian probe of the seeded generator;
     the first step is then theta - lr clip(m / max(rho h, eps), 1) with m = (1 - b1) g_8, h = (1 - b2) h_hat."""
     x, y, w0 = softmax_regression(gen)
-    lr, (b1, b2), rho, eps = 0.1, (0.9, 0.99), 5000.0, 1e-15  # rho so large that h decides some steps
+    lr, (b1, b2), eps = 0.1, (0.9, 0.99), 1e-15
+    u = torch.randn(w0.shape, generator=torch.Generator().manual_seed(3), dtype=DTYPE)
+    h3 = hessian(lambda w: F.cross_entropy(x[:3] @ w, y[:3]))(w0).reshape(12, 12)
+    h = (1 - b2) * u * (h3 @ u.reshape(-1)).reshape(u.shape)
+    g = torch.func.grad(lambda w: F.cross_entropy(x @ w, y))(w0)
+    rho = rho_that_splits((1 - b1) * g, h)
     weight, seen = w0.clone().requires_grad_(), []
     opt = SophiaH([weight], lr=lr, betas=(b1, b2), rho=rho, weight_decay=0.0, eps=eps, hessian_batch=hessian_batch,
                   generator=torch.Generator().manual_seed(3))  # fmt: skip
     opt.step(softmax_regression_closure(x, y, weight, seen))
     assert seen == [list(range(8)), [0, 1, 2]] and opt.stats["hessian_rows"] == 3
     assert 0 < opt.stats["unclipped_fraction"] < 1  # else the step would not depend on h
-    u = torch.randn(w0.shape, generator=torch.Generator().manual_seed(3), dtype=DTYPE)
-    h3 = hessian(lambda w: F.cross_entropy(x[:3] @ w, y[:3]))(w0).reshape(12, 12)
-    h = (1 - b2) * u * (h3 @ u.reshape(-1)).reshape(u.shape)
-    g = torch.func.grad(lambda w: F.cross_entropy(x @ w, y))(w0)
     expected = w0 - lr * ((1 - b1) * g / (rho * h).clamp_min(eps)).clamp(-1, 1)
     torch.testing.assert_close(weight.detach(), expected, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(weight.grad, g, rtol=1e-12, atol=1e-14)
@@ -220,12 +233,14 @@ def test_sophia_bias_correction_divides_h_by_one_minus_beta2_to_the_refreshes(ge
     (1 - b2) of it); by a closure and by update_hessian (which counts its refresh too); the default leaves the
     paper's update; a non-bool is refused."""
     x, y, w0 = softmax_regression(gen)
-    lr, (b1, b2), rho, eps = 0.1, (0.9, 0.99), 50.0, 1e-15
+    lr, (b1, b2), eps = 0.1, (0.9, 0.99), 1e-15
     u = torch.randn(w0.shape, generator=torch.Generator().manual_seed(3), dtype=DTYPE)
     h3 = hessian(lambda w: F.cross_entropy(x[:3] @ w, y[:3]))(w0).reshape(12, 12)
     h_hat = u * (h3 @ u.reshape(-1)).reshape(u.shape)
     g = torch.func.grad(lambda w: F.cross_entropy(x @ w, y))(w0)
     for corrected in (True, False):
+        # each case's rho splits its own denominator, so that ignoring the correction (h 100x smaller) would clip more
+        rho = rho_that_splits((1 - b1) * g, h_hat if corrected else (1 - b2) * h_hat)
         denominator = rho * (h_hat if corrected else (1 - b2) * h_hat)
         expected = w0 - lr * ((1 - b1) * g / denominator.clamp_min(eps)).clamp(-1, 1)
         weight = w0.clone().requires_grad_()
@@ -295,18 +310,19 @@ def test_sophia_g_hessian_batch_samples_labels_on_exactly_the_requested_rows(gen
     """SophiaG's refresh with hessian_batch 3: labels drawn from softmax of rows 0-2's logits (the seeded generator),
     g_hat the gradient of their mean cross-entropy, h_hat = 3 g_hat^2 (Gauss-Newton-Bartlett on the 3 rows)."""
     x, y, w0 = softmax_regression(gen)
-    lr, (b1, b2), rho, eps = 0.1, (0.9, 0.99), 50.0, 1e-15  # rho so large that h decides some steps
+    lr, (b1, b2), eps = 0.1, (0.9, 0.99), 1e-15
+    probabilities = torch.softmax(x[:3] @ w0, dim=-1)
+    labels = torch.multinomial(probabilities.float(), 1, generator=torch.Generator().manual_seed(5)).squeeze(-1)
+    g_hat = torch.func.grad(lambda w: F.cross_entropy(x[:3] @ w, labels))(w0)
+    h = (1 - b2) * 3 * g_hat**2
+    g = torch.func.grad(lambda w: F.cross_entropy(x @ w, y))(w0)
+    rho = rho_that_splits((1 - b1) * g, h)
     weight, seen = w0.clone().requires_grad_(), []
     opt = SophiaG([weight], lr=lr, betas=(b1, b2), rho=rho, weight_decay=0.0, eps=eps, hessian_batch=3,
                   generator=torch.Generator().manual_seed(5))  # fmt: skip
     opt.step(softmax_regression_closure(x, y, weight, seen))
     assert seen == [list(range(8)), [0, 1, 2]] and opt.stats["hessian_rows"] == 3
     assert 0 < opt.stats["unclipped_fraction"] < 1  # else the step would not depend on h
-    probabilities = torch.softmax(x[:3] @ w0, dim=-1)
-    labels = torch.multinomial(probabilities.float(), 1, generator=torch.Generator().manual_seed(5)).squeeze(-1)
-    g_hat = torch.func.grad(lambda w: F.cross_entropy(x[:3] @ w, labels))(w0)
-    h = (1 - b2) * 3 * g_hat**2
-    g = torch.func.grad(lambda w: F.cross_entropy(x @ w, y))(w0)
     expected = w0 - lr * ((1 - b1) * g / (rho * h).clamp_min(eps)).clamp(-1, 1)
     torch.testing.assert_close(weight.detach(), expected, rtol=1e-12, atol=1e-14)
 
