@@ -218,12 +218,18 @@ def evaluate(closure: Closure | None, owner: str, *, graph: bool = True) -> Clos
         raise RuntimeError(f"{owner}.step needs a closure: opt.step(closure), where {CLOSURE_CONTRACT}")
     with torch.enable_grad() if graph else torch.no_grad():
         result = parse(closure(), owner)
-    if graph and not result.loss.requires_grad:
+    if graph:
+        check_graph(result, owner)
+    return result
+
+
+def check_graph(result: ClosureResult, owner: str) -> None:
+    """Raise ``RuntimeError`` if the closure's loss has no autograd graph (its gradient would read as zero)."""
+    if not result.loss.requires_grad:
         raise RuntimeError(
             f"{owner}: the closure's loss has no autograd graph; run the forward inside the closure without "
             f"detaching it or calling .item() ({CLOSURE_CONTRACT})"
         )
-    return result
 
 
 @contextmanager

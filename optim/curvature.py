@@ -14,6 +14,8 @@ import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from optim._tangent_products import LeanLinearTangents
+
 if TYPE_CHECKING:
     from scipy.sparse.linalg import LinearOperator
 
@@ -178,19 +180,29 @@ def _forward_mode_errors() -> Iterator[None]:
         ) from error
 
 
-def _forward_over_reverse(loss_fn: ParamFunction, params: Tensors, vec: Tensors) -> tuple[Tensor, ...]:
-    r""":math:`Hv`, the tangent of :math:`\nabla_\theta L` along :math:`v`: one forward pass with tangents,
-    then one backward (without ``create_graph``) whose every step also carries its tangent."""
+def _primal(dual: Tensor) -> Tensor:
+    """The value of ``dual`` at the current dual level, without its tangent or a graph."""
+    return fwAD.unpack_dual(dual).primal.detach()
+
+
+def _forward_over_reverse(
+    loss_fn: ParamFunction, params: Tensors, vec: Tensors
+) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...]]:
+    r"""``(L, grad L, H v)``: one forward pass with tangents, then one backward (without ``create_graph``)
+    whose every step also carries its tangent; :math:`Hv` is the tangent of :math:`\nabla_\theta L` along
+    :math:`v`, and the loss and gradient at :math:`\theta` come with it as the pass's values."""
     with torch.enable_grad(), fwAD.dual_level(), _forward_mode_errors():
         duals = _dual_params(params, vec, requires_grad=True)
-        grads = _vjp([loss_fn(duals)], duals, [None], retain_graph=False)
-        return tuple(_tangent(g) for g in grads)
+        loss = loss_fn(duals)
+        grads = _vjp([loss], duals, [None], retain_graph=False)
+        return _primal(loss), tuple(_primal(g) for g in grads), tuple(_tangent(g) for g in grads)
 
 
 def _forward_jvp(outputs_fn: ParamFunction, params: Tensors, vec: Tensors) -> Tensor:
     r""":math:`Jv`, the tangent of the outputs along :math:`v`, by one forward pass with tangents and
-    no autograd graph (nothing is saved for a backward)."""
-    with torch.no_grad(), fwAD.dual_level(), _forward_mode_errors():
+    no autograd graph (nothing is saved for a backward); linear layers write both terms of their
+    tangents into one buffer (:class:`~optim._tangent_products.LeanLinearTangents`)."""
+    with torch.no_grad(), fwAD.dual_level(), _forward_mode_errors(), LeanLinearTangents():
         return _tangent(outputs_fn(_dual_params(params, vec, requires_grad=False)))
 
 
@@ -257,7 +269,7 @@ def hvp(
     if mode == "forward":
         if grads is not None or retain_graph:
             raise ValueError("hvp(mode='forward') builds no gradient graph: grads and retain_graph are for mode='reverse'")
-        return _forward_over_reverse(_function_of_params(loss, "the loss", "hvp"), params, vec)
+        return _forward_over_reverse(_function_of_params(loss, "the loss", "hvp"), params, vec)[2]
     if grads is None:
         grads = _gradient(_evaluate(loss, params), params)
     return _vjp(grads, params, vec, retain_graph=retain_graph)
@@ -472,28 +484,38 @@ class HessianOperator(CurvatureOperator):
 
     ``mode="forward"``: nothing is kept; each product is a fresh forward-over-reverse pass
     (:func:`hvp` with ``mode="forward"``: a forward with tangents and a backward), so a product
-    costs about twice a reverse-mode one, but no graph outlives it.
+    costs about twice a reverse-mode one, but no graph outlives it. The pass's values are the loss
+    and the gradient at :math:`\theta`: the first product keeps them (:attr:`value`,
+    :attr:`gradient`), so an estimator that needs the gradient too (Sophia's refresh) takes it
+    without a pass of its own.
 
     Args:
         loss: Scalar loss :math:`L(\theta)`: a tensor with an autograd graph to ``params``
             (``"reverse"`` only), or a function of the parameter values (see :func:`functional`).
         params: Parameters :math:`\theta`; those that do not require grad have zero rows and columns.
         mode: ``"reverse"`` (reverse-over-reverse) or ``"forward"`` (forward-over-reverse).
+
+    Attributes:
+        value: :math:`L(\theta)`, detached: in reverse mode from the constructor, in forward mode from
+            the first product (``None`` before it).
     """
 
     def __init__(self, loss: Tensor | ParamFunction, params: Tensors, *, mode: Mode = "reverse") -> None:
         _check_mode(mode)
         super().__init__(params)
         self.mode = mode
+        self.value: Tensor | None = None
         if mode == "forward":
             self._loss_fn = _function_of_params(loss, "the loss", "HessianOperator")
         else:
-            self._grads = _gradient(_evaluate(loss, self.params), self.params)
+            evaluated = _evaluate(loss, self.params)
+            self.value = evaluated.detach()
+            self._grads = _gradient(evaluated, self.params)
 
     @cached_property
     def gradient(self) -> tuple[Tensor, ...]:
-        r""":math:`\nabla_\theta L`, detached: the gradient the products are taken at (in forward mode
-        computed on first use, by one ordinary backward)."""
+        r""":math:`\nabla_\theta L`, detached: the gradient the products are taken at (in forward mode the
+        first product's, or, asked before any product, one ordinary backward's)."""
         if self.mode == "reverse":
             return tuple(g.detach() for g in self._grads)
         return _vjp([_evaluate(self._loss_fn, self.params)], self.params, [None], retain_graph=False)
@@ -501,7 +523,11 @@ class HessianOperator(CurvatureOperator):
     def matvec(self, vec: Tensors) -> tuple[Tensor, ...]:
         """Return :math:`H v`, one tensor per parameter."""
         if self.mode == "forward":
-            return _forward_over_reverse(self._loss_fn, self.params, vec)
+            value, gradient, product = _forward_over_reverse(self._loss_fn, self.params, vec)
+            if self.value is None:
+                self.value = value
+                self.__dict__.setdefault("gradient", gradient)  # the cached property's slot
+            return product
         return _vjp(self._grads, self.params, vec, retain_graph=True)
 
 

@@ -170,10 +170,7 @@ class _Sophia(_closure.SecondOrderOptimizer):
         due = self._due(groups)
         loss, estimate = None, None
         if closure is not None:
-            result = _closure.evaluate(closure, self._owner)
-            loss = _dist.average_loss(result.loss.detach(), self.group)
-            with torch.enable_grad(), _closure.graph_errors(self._owner):
-                grads, estimate = self._gradient_and_estimate(closure, result, params, groups, any(due))
+            loss, grads, estimate = self._closure_step(closure, params, groups, any(due))
         else:
             grads, estimate = self._grads_without_closure(params, groups, any(due), first=count == 0)
         estimate = tuple(e if d and e is not None else None for e, d in zip(estimate or (None,) * len(params), due))
@@ -205,6 +202,15 @@ class _Sophia(_closure.SecondOrderOptimizer):
         )  # fmt: skip
         self._refresh_requested = self._pending_refresh = False
         return loss
+
+    def _closure_step(
+        self, closure: _closure.Closure, params: list[Tensor], groups: list[dict[str, Any]], refresh: bool
+    ) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...] | None]:
+        """The loss of ``closure()``, its gradient and, on a refresh step, :math:`\\hat h`; rank averages."""
+        result = _closure.evaluate(closure, self._owner)
+        loss = _dist.average_loss(result.loss.detach(), self.group)
+        with torch.enable_grad(), _closure.graph_errors(self._owner):
+            return loss, *self._gradient_and_estimate(closure, result, params, groups, refresh)
 
     def _gradient_and_estimate(
         self, closure: _closure.Closure, result: _closure.ClosureResult, params: list[Tensor],
@@ -405,7 +411,8 @@ class SophiaH(_Sophia):
             parameters' tangent, then one backward that carries tangents; no gradient graph is kept). Forward
             mode needs a closure and ``module`` and every operation to have a forward-mode rule of its
             backward; on the GPU it took 0.79-0.91x reverse mode's time in a 4-layer GPT at 8K-32K context
-            (docs/forward_mode.md), at the cost of one more forward when ``hessian_batch`` is ``None``.
+            (docs/forward_mode.md). With ``hessian_batch`` ``None`` a refresh step runs no plain pass: the
+            loss and gradient are the values of the first probe's pass.
         module: The ``nn.Module`` whose parameters are optimised, for ``mode="forward"`` (run through
             :func:`~optim.curvature.functional`; deterministic: no dropout).
         bias_correction: Divide :math:`h` by :math:`1 - \beta_2^{n}` in the update, :math:`n` the refreshes so
@@ -434,10 +441,13 @@ class SophiaH(_Sophia):
         self.mode, self.module = mode, module
 
     def _hutchinson(
-        self, operator: CurvatureOperator, groups: list[dict[str, Any]], grads: tuple[Tensor, ...] = ()
+        self, operator: CurvatureOperator, groups: list[dict[str, Any]], gradient: bool = False
     ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
-        """``grads`` and the estimate of ``operator``'s diagonal, averaged over the ranks in one all-reduce."""
+        """The estimate of ``operator``'s diagonal and, if ``gradient``, the gradient the operator is taken at
+        (read after the products, which in forward mode bring it), averaged over the ranks in one all-reduce."""
         estimate = hutchinson_diagonal(operator, self.num_samples, self.distribution, self.generator)
+        grads = operator.gradient if gradient else ()
+        _closure.check_dense(self._owner, grads)
         signed = tuple(-e if group["maximize"] else e for e, group in zip(estimate, groups))
         # The probes are alike on every rank, so averaging u * H_r u averages H_r u; one all-reduce for both.
         averaged = _dist.all_average((*grads, *signed), self.group)
@@ -448,18 +458,35 @@ class SophiaH(_Sophia):
         _closure.check_dense(self._owner, operator.gradient)
         return operator
 
-    def _forward_operator(self, call: _closure.Closure, params: list[Tensor]) -> HessianOperator:
-        """Forward-over-reverse products of ``call()``'s loss: ``call`` runs again with tangents on the parameters."""
-        loss = functional(self.module, lambda: _closure.parse(call(), self._owner).loss, params)
-        return HessianOperator(loss, params, mode="forward")
+    def _forward_operator(self, call: _closure.Closure, params: list[Tensor], rows: list | None = None
+                          ) -> HessianOperator:  # fmt: skip
+        """Forward-over-reverse products of ``call()``'s loss: ``call`` runs again with tangents on the parameters;
+        ``rows`` (a list) receives the batch rows of each run (``stats["hessian_rows"]``)."""
+
+        def loss() -> Tensor:
+            result = _closure.parse(call(), self._owner)
+            _closure.check_graph(result, self._owner)
+            if rows is not None:
+                rows.append(_closure.curvature_rows(self._owner, "hessian_batch", None, result, call)[1])
+            return result.loss
+
+        return HessianOperator(functional(self.module, loss, params), params, mode="forward")
+
+    def _closure_step(self, closure, params, groups, refresh):
+        """In forward mode a refresh on the whole batch runs no pass of its own for the loss and gradient: they
+        are the values of the first probe's forward-over-reverse pass (whose tangents give :math:`H u`)."""
+        if self.mode == "reverse" or not refresh or self.hessian_batch is not None:
+            return super()._closure_step(closure, params, groups, refresh)
+        rows = []
+        with torch.enable_grad(), _closure.graph_errors(self._owner):
+            operator = self._forward_operator(closure, params, rows)
+            grads, estimate = self._hutchinson(operator, groups, gradient=True)
+        self.stats["hessian_rows"] = rows[0]
+        return _dist.average_loss(operator.value, self.group), grads, estimate
 
     def _estimate(self, result, call, params, groups):
-        if self.mode == "reverse":
-            operator = self._reverse_operator(result.loss, params)
-            return self._hutchinson(operator, groups, operator.gradient)
-        grads = tuple(g.detach() for g in _closure.gradients(result.loss, params))
-        _closure.check_dense(self._owner, grads)
-        return self._hutchinson(self._forward_operator(call, params), groups, grads)
+        operator = self._reverse_operator(result.loss, params)  # forward mode takes _closure_step's path
+        return self._hutchinson(operator, groups, gradient=True)
 
     def _diagonal(self, call, params, groups):
         if self.mode == "reverse":
@@ -474,7 +501,7 @@ class SophiaH(_Sophia):
         if not any(g.requires_grad for g in grads):
             return None
         operator = _closure.GradientGraphHessian(grads, params)
-        return self._hutchinson(operator, groups, operator.gradient)
+        return self._hutchinson(operator, groups, gradient=True)
 
     def _check_reverse(self, what: str) -> None:
         if self.mode == "forward":

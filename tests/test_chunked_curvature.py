@@ -146,15 +146,16 @@ def peak_bytes(tmp_path) -> Callable[[Callable[[], object]], int]:
     return measure
 
 
-def lm_head(chunk_elements: int, gen: torch.Generator) -> tuple[GGNOperator, Tensor, Tensor, Tensor]:
-    """A linear LM head over fixed hidden states, its GGN operator, a direction, the logits and targets."""
+def lm_head(chunk_elements: int, gen: torch.Generator) -> tuple[GGNOperator, Tensor, Tensor, Tensor, Tensor]:
+    """A linear LM head over fixed hidden states, its GGN operator, a direction, the logits, targets and hidden
+    states."""
     hidden = torch.randn(*SHAPE[:2], 32, generator=gen)
     weight = nn.Parameter(torch.randn(32, SHAPE[-1], generator=gen) / 8)
     targets = torch.randint(0, SHAPE[-1], SHAPE[:2], generator=gen)
     targets[0, :5] = -100
     logits = hidden @ weight
     op = GGNOperator(logits, [weight], CrossEntropyHessian(targets, chunk_elements=chunk_elements))
-    return op, torch.randn(weight.shape, generator=gen), logits, targets
+    return op, torch.randn(weight.shape, generator=gen), logits, targets, hidden
 
 
 def test_cross_entropy_hessian_holds_its_output_and_a_chunk(gen, peak_bytes):
@@ -168,7 +169,7 @@ def test_cross_entropy_hessian_holds_its_output_and_a_chunk(gen, peak_bytes):
 
 def test_ggn_product_holds_one_tensor_the_size_of_the_logits(gen, peak_bytes):
     """J v is overwritten by H_L J v: besides the parameter-sized result, one logits-sized tensor and a chunk."""
-    op, vec, _, _ = lm_head(CHUNK, gen)
+    op, vec, *_ = lm_head(CHUNK, gen)
     chunked = peak_bytes(lambda: op.matvec([vec]))
     assert chunked <= LOGITS_BYTES + 5 * CHUNK_BYTES + 2 * vec.numel() * FLOAT32, chunked / LOGITS_BYTES
     op.loss_hessian = CrossEntropyHessian(op.loss_hessian.targets, chunk_elements=ONE_CHUNK)
@@ -176,9 +177,21 @@ def test_ggn_product_holds_one_tensor_the_size_of_the_logits(gen, peak_bytes):
     assert whole >= 2.5 * LOGITS_BYTES, whole / LOGITS_BYTES
 
 
+def test_forward_mode_ggn_product_holds_the_logits_and_their_tangent(gen, peak_bytes):
+    """Forward mode recomputes the logits in its J v: with the head's tangent written into one buffer it holds
+    them and one tangent (PyTorch's own matrix-product rule held them four times: value, two terms, sum); J v
+    is then overwritten by H_L J v. The product equals reverse mode's."""
+    op, vec, logits, _, hidden = lm_head(CHUNK, gen)
+    forward = GGNOperator(lambda values: hidden @ values[0], op.params, op.loss_hessian, mode="forward",
+                          evaluated=logits)  # fmt: skip
+    peak = peak_bytes(lambda: forward.matvec([vec]))
+    assert peak <= 2 * LOGITS_BYTES + 5 * CHUNK_BYTES + 2 * vec.numel() * FLOAT32, peak / LOGITS_BYTES
+    torch.testing.assert_close(forward.matvec([vec]), op.matvec([vec]), rtol=1e-5, atol=1e-7)
+
+
 def test_sophia_g_refresh_holds_one_tensor_the_size_of_the_logits(gen, peak_bytes):
     """The sampled loss's gradient w.r.t. the logits, a chunk's temporaries and parameter-sized tensors."""
-    op, _, logits, targets = lm_head(CHUNK, gen)
+    op, _, logits, targets, _ = lm_head(CHUNK, gen)
     weight = op.params[0]
     peaks = {}
     for chunk_elements in (CHUNK, ONE_CHUNK):

@@ -550,6 +550,24 @@ def test_forward_mode_leaves_the_parameters_alone(problem: Problem) -> None:
     assert not problem.loss().isnan()  # the module still runs on its own parameters
 
 
+def test_forward_mode_operator_takes_the_loss_and_gradient_from_its_first_product(problem: Problem) -> None:
+    """A forward-mode HessianOperator's products are passes whose values are L and its gradient: after the first,
+    ``value`` and ``gradient`` are those (no further pass: the loss function runs once per product)."""
+    runs = []
+    loss_function = problem.loss_function()
+    op = HessianOperator(lambda values: runs.append(1) or loss_function(values), problem.params, mode="forward")
+    assert op.value is None
+    product = op.matvec(problem.random_vec())
+    torch.testing.assert_close(flatten(product), problem.reference_hvp(flatten(problem.random_vec())), **TOL)
+    torch.testing.assert_close(op.value, problem.loss().detach(), rtol=1e-13, atol=0)
+    expected = torch.autograd.grad(problem.loss(), problem.params)
+    for got, want in zip(op.gradient, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+        assert got.grad_fn is None
+    op.matvec(problem.random_vec(seed=1))
+    assert len(runs) == 2 and op.value is not None
+
+
 @pytest.mark.usefixtures("no_gc")
 def test_forward_mode_hvp_keeps_no_graph_alive(problem: Problem) -> None:
     with tracked_saved_tensors() as refs:

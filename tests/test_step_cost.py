@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import hessian
@@ -285,6 +286,46 @@ def test_sophia_h_forward_mode_takes_the_same_steps_as_reverse_mode(gen, hessian
         weights[mode] = [p.detach() for p in model.parameters()]
     for a, b in zip(weights["forward"], weights["reverse"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("num_samples", [1, 3])
+def test_sophia_h_forward_refresh_on_the_whole_batch_is_one_pass_per_probe(gen, num_samples):
+    """A forward-mode refresh without hessian_batch runs the closure once per probe, each time with tangents, and
+    no plain pass: the loss and gradient are the first pass's values (the stats report the loss; the step equals
+    one that takes the gradient by its own backward, i.e. reverse mode's); a plain step runs it once, plainly."""
+    x, y = torch.randn(8, 5, generator=gen, dtype=DTYPE), torch.randint(0, 3, (8,), generator=gen)
+    weights, losses = {}, {}
+    for mode in ("reverse", "forward"):
+        torch.manual_seed(0)
+        model = MLP([5, 6, 3])
+        opt = SophiaH(model.parameters(), lr=0.05, betas=(0.9, 0.5), rho=10.0, update_period=2, mode=mode,
+                      module=model, num_samples=num_samples, generator=torch.Generator().manual_seed(1))  # fmt: skip
+        passes = []
+
+        def closure(model=model, passes=passes):
+            passes.append(fwAD.unpack_dual(model[0].weight).tangent is not None)
+            return F.cross_entropy(model(x), y), model(x)
+
+        for step in range(2):
+            passes.clear()
+            opt.step(closure)
+            if mode == "forward":
+                assert passes == ([True] * num_samples if step == 0 else [False]), passes
+            if step == 0:
+                assert opt.stats["hessian_rows"] == 8 and opt.stats["hessian_refreshed"] == 1
+        losses[mode] = opt.stats["loss"]
+        weights[mode] = [p.detach() for p in model.parameters()]
+    assert losses["forward"] == pytest.approx(losses["reverse"], rel=1e-13)
+    for a, b in zip(weights["forward"], weights["reverse"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_sophia_h_forward_refresh_refuses_a_loss_without_graph(gen):
+    x, y, w0 = softmax_regression(gen)
+    model = MLP(list(w0.shape))
+    opt = SophiaH(model.parameters(), mode="forward", module=model)
+    with pytest.raises(RuntimeError, match="SophiaH: the closure's loss has no autograd graph"):
+        opt.step(lambda: F.cross_entropy(model(x), y).detach())
 
 
 def test_sophia_h_forward_mode_needs_a_module_and_a_closure(gen):
@@ -617,7 +658,8 @@ def train(model: GPT, opt: torch.optim.Optimizer, batches: list[tuple[Tensor, Te
 def test_recipe_runs_sdpa_on_steps_without_curvature_and_matches_flashbob(name):
     """SophiaH (update_period 2): steps 1 and 3 refresh through flashbob, steps 2 and 4 run SDPA alone; with
     hessian_batch the refresh steps take the gradient on SDPA and the estimate on closure(rows) through flashbob;
-    in forward mode the estimate's pass with tangents (closure() or closure(rows)) runs flashbob, the rest SDPA.
+    in forward mode the estimate's pass with tangents runs flashbob, the rest SDPA: on the whole batch that pass
+    (closure() with tangents) is the refresh step's only pass, its values the loss and gradient.
     NewtonCG with a curvature batch in forward mode: closure() (gradient, trial points) and closure(rows) (the graph
     that J^T u differentiates once) on SDPA, the forward-mode J v of each CG product on flashbob. Losses and weights
     equal those of a model that always runs flashbob (blocked backend)."""
@@ -648,9 +690,9 @@ def test_recipe_runs_sdpa_on_steps_without_curvature_and_matches_flashbob(name):
         torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-10)
     layers, sdpa_steps = 2, per_step[: len(batches)]
     first, twice = ["first_order"] * layers, ["twice"] * layers
-    if name == "sophiah":
+    if name in ("sophiah", "sophiah_forward"):
         assert sdpa_steps == [twice, first] * 2
-    elif name.startswith("sophiah"):  # rows, or forward mode: the gradient on SDPA, the estimate's pass after it
+    elif name.startswith("sophiah"):  # rows: the gradient on SDPA, the estimate's pass after it
         assert sdpa_steps == [first + twice, first] * 2
     else:
         for calls, iterations in zip(sdpa_steps, cg_iters):
