@@ -72,8 +72,9 @@ class LeanLinearTangents(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not torch.is_grad_enabled():
-            if func is F.linear and all(isinstance(x, Tensor) for x in args[:2]) and args[1].dim() == 2:
-                return _linear(*args, **kwargs)
+            if func is F.linear and len(args) >= 2 and all(isinstance(x, Tensor) for x in args[:2]):
+                if args[1].dim() == 2 and set(kwargs) <= {"bias"}:
+                    return _linear(*args, **kwargs)
             if func in _MATMULS and not kwargs and len(args) == 2 and all(isinstance(x, Tensor) for x in args):
                 if args[1].dim() == 2 and args[0].dim() >= 2:
                     return _matmul(*args)

@@ -88,7 +88,11 @@ def test_matmul_tangents_equal_pytorchs_rule(gen, spelling, a_shape):
 
 
 def test_other_products_and_gradient_mode_are_pytorchs(gen):
-    """Batched and matrix-vector products, and any product with gradients enabled, run PyTorch's rules."""
+    """Batched and matrix-vector products, F.linear called by keywords, and any product with gradients enabled, run
+    PyTorch's rules."""
+    x, w = torch.randn(3, 4, generator=gen, dtype=DTYPE), torch.randn(5, 4, generator=gen, dtype=DTYPE)
+    assert_same(lambda x, w: F.linear(input=x, weight=w), [x, w], [torch.randn_like(x), torch.randn_like(w)],
+                lean_sums=None, rtol=0, atol=0)  # fmt: skip
     cases = [((2, 3, 4), (2, 4, 5)), ((3, 4), (4,)), ((4,), (4, 3))]
     for a_shape, b_shape in cases:
         primals = [torch.randn(s, generator=gen, dtype=DTYPE) for s in (a_shape, b_shape)]
