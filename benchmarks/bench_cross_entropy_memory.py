@@ -8,7 +8,8 @@ hidden states ``(1, T, d)``, so the logits are bf16 (T = V = 32,768: 2 GiB). ``e
 ``max_memory_allocated`` during one call minus ``memory_allocated`` before it (logits, graph and operator
 already held), reported as a multiple of the bf16 logits; ``ms`` is the mean of ``--reps`` further calls. Each
 product runs with the default chunk (``optim.curvature.DEFAULT_CHUNK_ELEMENTS`` logits) and with
-``--small-chunk`` logits. Issue 21's target: one GGN product within 2x the bf16 logits.
+``--small-chunk`` logits; forward mode with PyTorch's tangent rules and with ``lean_tangents=True``. Issue
+21's target: one GGN product within 2x the bf16 logits.
 
 CPU smoke test (times only, no memory figures)::
 
@@ -84,7 +85,7 @@ def main() -> None:
         rows.append({"gpu": gpu, "tokens": args.tokens, "vocab": args.vocab, "call": call, "chunk_elements": chunk,
                      "extra_gib": round(extra / 2**30, 3), "x_bf16_logits": round(extra / logits_bytes, 3),
                      "ms": round(ms, 2)})
-        print(f"{call:<24} chunk {chunk:>9} extra {extra / 2**30:7.2f} GiB = {extra / logits_bytes:5.2f}x logits "
+        print(f"{call:<28} chunk {chunk:>9} extra {extra / 2**30:7.2f} GiB = {extra / logits_bytes:5.2f}x logits "
               f"{ms:8.1f} ms", flush=True)
 
     for chunk in (DEFAULT_CHUNK_ELEMENTS, args.small_chunk):
@@ -92,9 +93,10 @@ def main() -> None:
         u = torch.randn_like(logits)
         row("H_L u", chunk, lambda lh=loss_hessian, u=u: lh(logits.detach(), u))
         del u
-        for mode in ("reverse", "forward"):
-            op = GGNOperator(outputs if mode == "forward" else logits, params, loss_hessian, mode=mode)
-            row(f"GGN product ({mode})", chunk, lambda op=op: op.matvec(vec))
+        for mode, lean in (("reverse", False), ("forward", False), ("forward", True)):
+            op = GGNOperator(outputs if mode == "forward" else logits, params, loss_hessian, mode=mode,
+                             lean_tangents=lean)  # fmt: skip
+            row(f"GGN product ({mode}{', lean' if lean else ''})", chunk, lambda op=op: op.matvec(vec))
             del op
         opt = SophiaG(params, generator=torch.Generator(device).manual_seed(0), chunk_elements=chunk)
         row("SophiaG refresh", chunk, lambda opt=opt: opt.update_hessian(logits, targets))

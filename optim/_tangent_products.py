@@ -1,4 +1,4 @@
-r"""Forward-mode rules for linear layers that write both terms of a tangent into one buffer.
+r"""Forward-mode rules for linear layers that write both terms of a tangent into one buffer (opt-in).
 
 The tangent of :math:`y = a B` (``a @ b`` with a matrix ``b``, and ``F.linear`` with
 :math:`B = W^\top`) is :math:`\dot y = \dot a B + a \dot B`. PyTorch's forward-mode rule for the
@@ -10,9 +10,11 @@ value, two terms and their sum). :class:`LeanLinearTangents` computes :math:`\do
 in place (``addmm_``), so a product holds the value and one tangent: half as much. The arithmetic
 is the same two matrix products and one sum.
 
-Only what :func:`optim.curvature.GGNOperator`'s forward-mode :math:`J v` runs, without an autograd
-graph, goes through these rules; with gradients enabled (forward over reverse), where the tangent
-must itself carry a graph, PyTorch's own rules apply.
+Only what :class:`optim.curvature.GGNOperator`'s forward-mode :math:`J v` runs with
+``lean_tangents=True``, without an autograd graph, goes through these rules; with gradients enabled
+(forward over reverse), where the backward needs the tangents of saved tensors, PyTorch's own rules
+apply. Being a ``TorchFunctionMode``, it sees every torch call of the forward, which costs a few
+microseconds each: hence opt-in.
 """
 
 from __future__ import annotations

@@ -143,6 +143,9 @@ class NewtonCG(_closure.SecondOrderOptimizer):
             a forward-mode rule for the backward of every operation (not ``F.silu``'s in torch 2.13);
             the Gauss-Newton product needs only the forward's.
         module: The ``nn.Module`` whose parameters are optimised, for ``mode="forward"``.
+        lean_tangents: Forward-mode Gauss-Newton products only: take :math:`J v` with linear layers'
+            tangents accumulated in one buffer (:class:`~optim.curvature.GGNOperator`): half the memory
+            at a large output layer (an LM head's logits), for a few microseconds of dispatch per torch call.
         max_cg_iters: Most CG iterations (curvature products) per step.
         cg_tol: CG stops at relative residual ``cg_tol``.
         progress_tol: Martens' :math:`\epsilon` of the relative-progress rule (0: off): CG stops at
@@ -203,6 +206,7 @@ class NewtonCG(_closure.SecondOrderOptimizer):
         curvature_batch: int | float | None = None,
         mode: Mode = "reverse",
         module: nn.Module | None = None,
+        lean_tangents: bool = False,
         max_cg_iters: int = 20,
         cg_tol: float = 1e-10,
         progress_tol: float = 5e-4,
@@ -233,6 +237,11 @@ class NewtonCG(_closure.SecondOrderOptimizer):
         if not isinstance(backtrack_accept, bool):
             raise ValueError(f"NewtonCG: invalid backtrack_accept: {backtrack_accept!r}; expected True or False")
         _closure.check_mode("NewtonCG", mode, module)
+        if not isinstance(lean_tangents, bool):
+            raise ValueError(f"NewtonCG: invalid lean_tangents: {lean_tangents!r}; expected True or False")
+        if lean_tangents and (mode != "forward" or curvature == "hessian"):
+            raise ValueError("NewtonCG(lean_tangents=True) is for forward-mode Gauss-Newton products: it needs "
+                             f"mode='forward' and curvature 'ggn' or 'auto', got mode={mode!r}, curvature={curvature!r}")
         defaults = dict(
             lr=lr, damping=damping, adapt_damping=adapt_damping, curvature=curvature, curvature_batch=curvature_batch,
             mode=mode, max_cg_iters=max_cg_iters, cg_tol=cg_tol, progress_tol=progress_tol,
@@ -241,7 +250,7 @@ class NewtonCG(_closure.SecondOrderOptimizer):
             precond_exponent=precond_exponent, precond_beta=precond_beta, weight_decay=weight_decay, maximize=maximize,
         )  # fmt: skip
         super().__init__(params, defaults)
-        self.module = module
+        self.module, self.lean_tangents = module, lean_tangents
         self.loss_hessian = loss_hessian
         self.group = _dist.resolve(distributed, "NewtonCG")
         if generator is None and self.group is not None:
@@ -409,7 +418,9 @@ class NewtonCG(_closure.SecondOrderOptimizer):
             if mode == "reverse":
                 return GGNOperator(evaluated.outputs, params, loss_hessian), grads
             outputs_fn = functional(self.module, lambda: _closure.parse(call(), "NewtonCG").outputs, params)
-            return GGNOperator(outputs_fn, params, loss_hessian, mode="forward", evaluated=evaluated.outputs), grads
+            operator = GGNOperator(outputs_fn, params, loss_hessian, mode="forward", evaluated=evaluated.outputs,
+                                   lean_tangents=self.lean_tangents)  # fmt: skip
+            return operator, grads
 
     def _preconditioner(self, settings, operator, params, g, damping):
         r""":math:`r \mapsto r / (d + \lambda)^\xi` and the updated diagonal :math:`d`, or ``(None, None)``."""

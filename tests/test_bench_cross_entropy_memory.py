@@ -15,6 +15,6 @@ def test_smoke_writes_one_row_per_call_and_chunk(tmp_path: Path) -> None:
     done = subprocess.run(command, cwd=ROOT, env=child_environment(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = list(csv.DictReader(out.open()))
-    calls = ["H_L u", "GGN product (reverse)", "GGN product (forward)", "SophiaG refresh"]
+    calls = ["H_L u", "GGN product (reverse)", "GGN product (forward)", "GGN product (forward, lean)", "SophiaG refresh"]
     assert [(r["call"], r["chunk_elements"]) for r in rows] == [(c, k) for k in ("16777216", "600") for c in calls]
     assert all(float(r["ms"]) > 0 for r in rows)

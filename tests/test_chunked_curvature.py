@@ -177,16 +177,19 @@ def test_ggn_product_holds_one_tensor_the_size_of_the_logits(gen, peak_bytes):
     assert whole >= 2.5 * LOGITS_BYTES, whole / LOGITS_BYTES
 
 
-def test_forward_mode_ggn_product_holds_the_logits_and_their_tangent(gen, peak_bytes):
-    """Forward mode recomputes the logits in its J v: with the head's tangent written into one buffer it holds
-    them and one tangent (PyTorch's own matrix-product rule held them four times: value, two terms, sum); J v
-    is then overwritten by H_L J v. The product equals reverse mode's."""
+def test_forward_mode_ggn_product_with_lean_tangents_holds_the_logits_and_one_tangent(gen, peak_bytes):
+    """Forward mode recomputes the logits in its J v. PyTorch's matrix-product rule holds them four times (value,
+    two terms, their sum); lean_tangents writes the head's tangent into one buffer: the value and one tangent,
+    which H_L J v then overwrites. Both products equal reverse mode's."""
     op, vec, logits, _, hidden = lm_head(CHUNK, gen)
-    forward = GGNOperator(lambda values: hidden @ values[0], op.params, op.loss_hessian, mode="forward",
-                          evaluated=logits)  # fmt: skip
-    peak = peak_bytes(lambda: forward.matvec([vec]))
-    assert peak <= 2 * LOGITS_BYTES + 5 * CHUNK_BYTES + 2 * vec.numel() * FLOAT32, peak / LOGITS_BYTES
-    torch.testing.assert_close(forward.matvec([vec]), op.matvec([vec]), rtol=1e-5, atol=1e-7)
+    peaks = {}
+    for lean in (False, True):
+        forward = GGNOperator(lambda values: hidden @ values[0], op.params, op.loss_hessian, mode="forward",
+                              evaluated=logits, lean_tangents=lean)  # fmt: skip
+        peaks[lean] = peak_bytes(lambda: forward.matvec([vec]))  # noqa: B023
+        torch.testing.assert_close(forward.matvec([vec]), op.matvec([vec]), rtol=1e-5, atol=1e-7)
+    assert peaks[True] <= 2 * LOGITS_BYTES + 5 * CHUNK_BYTES + 2 * vec.numel() * FLOAT32, peaks[True] / LOGITS_BYTES
+    assert peaks[False] >= 3.5 * LOGITS_BYTES, peaks[False] / LOGITS_BYTES
 
 
 def test_sophia_g_refresh_holds_one_tensor_the_size_of_the_logits(gen, peak_bytes):

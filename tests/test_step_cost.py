@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.profile_step import Counter, Profiler
 from optim import AdaHessian, NewtonCG, SophiaG, SophiaH, cg, hvp
+from optim import curvature as curvature_module
 from optim.curvature import CrossEntropyHessian, GGNOperator, functional
 from recipes.common.config import ConfigError
 from recipes.common.transformer import AttentionSwitch, Transformer
@@ -521,22 +522,53 @@ def test_forward_mode_takes_the_same_steps_as_reverse_mode(curvature, curvature_
     assert all(not torch.equal(p, p0) for p, p0 in zip(models["forward"].parameters(), initial)), "the steps moved"
 
 
-def test_forward_mode_gauss_newton_step_through_flashbob_attention():
-    """The forward-mode GGN product runs flashbob's forward-mode rules (blocked backend); same step as reverse."""
+def test_forward_mode_gauss_newton_step_through_flashbob_attention(monkeypatch):
+    """The forward-mode GGN product runs flashbob's forward-mode rules (blocked backend), with PyTorch's rules for
+    the linear layers or the lean ones (lean_tangents: each J v runs under them); the same step as reverse mode."""
+    entered = []
+
+    class Recorded(curvature_module.LeanLinearTangents):
+        def __enter__(self):
+            entered.append(1)
+            return super().__enter__()
+
+    monkeypatch.setattr(curvature_module, "LeanLinearTangents", Recorded)
     torch.manual_seed(0)
     config = dict(vocab_size=11, n_outputs=11, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, attention="blocked")
-    reverse = Transformer(**config).double()
-    forward = copy.deepcopy(reverse)
+    models = {"reverse": Transformer(**config).double()}
+    models["forward"], models["lean"] = copy.deepcopy(models["reverse"]), copy.deepcopy(models["reverse"])
     tokens = torch.randint(0, 11, (3, 6))
-    for mode, model in (("reverse", reverse), ("forward", forward)):
+    for name, model in models.items():
         def closure(rows=slice(None), model=model):
             logits = model(tokens[rows, :-1])
             return F.cross_entropy(logits.flatten(0, 1), tokens[rows, 1:].flatten()), logits
 
-        opt = NewtonCG(model.parameters(), curvature_batch=2, mode=mode, module=model, max_cg_iters=4)
+        mode = "reverse" if name == "reverse" else "forward"
+        opt = NewtonCG(model.parameters(), curvature_batch=2, mode=mode, module=model, max_cg_iters=4,
+                       lean_tangents=name == "lean")  # fmt: skip
         opt.step(closure)
-    for p, q in zip(forward.parameters(), reverse.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-10)
+        if name == "lean":
+            assert len(entered) == opt.stats["cg_iters"] >= 1  # one J v per CG product
+        else:
+            assert not entered
+    for name in ("forward", "lean"):
+        for p, q in zip(models[name].parameters(), models["reverse"].parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-10)
+
+
+def test_lean_tangents_bad_input_is_named():
+    weight = nn.Parameter(torch.randn(3, 2, dtype=DTYPE))
+    with pytest.raises(ValueError, match="NewtonCG: invalid lean_tangents: 1; expected True or False"):
+        NewtonCG([weight], lean_tangents=1)
+    for kwargs in ({}, {"mode": "forward", "module": nn.Linear(2, 3), "curvature": "hessian"}):
+        with pytest.raises(ValueError, match=r"NewtonCG\(lean_tangents=True\) is for forward-mode Gauss-Newton"):
+            NewtonCG([weight], lean_tangents=True, **kwargs)
+    with pytest.raises(ValueError, match="GGNOperator: lean_tangents is for mode='forward'"):
+        GGNOperator(torch.randn(2, 3, dtype=DTYPE) @ weight, [weight], CrossEntropyHessian(torch.zeros(2)),
+                    lean_tangents=True)  # fmt: skip
+    with pytest.raises(ValueError, match="GGNOperator: invalid lean_tangents: 'yes'"):
+        GGNOperator(lambda values: values[0], [weight], CrossEntropyHessian(torch.zeros(2)), mode="forward",
+                    lean_tangents="yes")  # fmt: skip
 
 
 class ZeroTangents(TorchDispatchMode):
