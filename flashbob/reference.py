@@ -57,11 +57,12 @@ def attention(q, k, v, *, causal=False, scale=None, key_mask=None, attn_mask=Non
 
 def probabilities(q, k, *, causal=False, scale=None, key_mask=None, attn_mask=None) -> torch.Tensor:
     """The attention weights ``P = softmax_row(S)`` over the visible keys (:func:`masked_scores`); a row
-    that sees no key is 0."""
+    that sees no key is 0. A float ``attn_mask`` hides a key with ``-inf``, so a row whose every score
+    is ``-inf`` sees none too (a NaN score still reaches the output)."""
     scores, keep = masked_scores(q, k, causal=causal, scale=scale, key_mask=key_mask, attn_mask=attn_mask)
-    if key_mask is None and (attn_mask is None or attn_mask.dtype != torch.bool):
+    if key_mask is None and attn_mask is None:
         return torch.softmax(scores, dim=-1)  # no row is empty: a causal query sees key 0
-    any_key = keep.any(-1, keepdim=True)
+    any_key = (scores != float("-inf")).any(-1, keepdim=True)
     return torch.softmax(scores.masked_fill(~any_key, 0.0), dim=-1) * any_key
 
 

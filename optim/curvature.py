@@ -316,7 +316,9 @@ def logit_rows(logits: Tensor, targets: Tensor | None, ignore_index: int, owner:
     A row counts unless its target is ``ignore_index``; without ``targets`` every row counts.
 
     Raises:
-        ValueError: ``logits`` has no class dimension, or ``targets`` has not one entry per row.
+        ValueError: ``logits`` has no class dimension; ``targets`` has not one entry per row, or is shaped
+            neither like the logits without their last dimension nor flat (e.g. ``(T, B)`` targets for
+            ``(B, T, V)`` logits, whose rows would be matched to the wrong targets).
     """
     if logits.dim() < 1:
         raise ValueError(f"{owner}: the logits need the classes in their last dimension, got a scalar")
@@ -326,6 +328,11 @@ def logit_rows(logits: Tensor, targets: Tensor | None, ignore_index: int, owner:
     if targets.numel() != rows.shape[0]:
         raise ValueError(
             f"{owner}: {targets.numel()} targets for the {rows.shape[0]} rows of the logits {tuple(logits.shape)}"
+        )
+    if targets.dim() > 1 and logits.dim() > 2 and targets.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"{owner}: targets {tuple(targets.shape)} do not line up with the logits {tuple(logits.shape)}: "
+            f"expected them shaped {tuple(logits.shape[:-1])}, or flattened"
         )
     return rows, targets.reshape(-1).to(rows.device) != ignore_index
 

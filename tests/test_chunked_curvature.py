@@ -62,6 +62,11 @@ def test_cross_entropy_hessian_takes_flattened_targets_and_rejects_bad_arguments
             CrossEntropyHessian(targets, chunk_elements=bad)
     with pytest.raises(ValueError, match=r"CrossEntropyHessian: 20 targets for the 21 rows of the logits \(3, 7, 5\)"):
         CrossEntropyHessian(targets.flatten()[:20])(logits, u)
+    with pytest.raises(ValueError, match=r"targets \(7, 3\) do not line up with the logits \(3, 7, 5\): expected them "
+                                         r"shaped \(3, 7\), or flattened"):
+        CrossEntropyHessian(targets.T)(logits, u)  # as many targets as rows, transposed: rows would get wrong targets
+    rows = CrossEntropyHessian(targets)(logits.flatten(0, 1), u.flatten(0, 1))  # (B*T, V) logits, (B, T) targets
+    torch.testing.assert_close(rows, flat_targets.flatten(0, 1), **EXACT)
     with pytest.raises(ValueError, match=r"out must be a contiguous torch.float64 tensor of shape \(3, 7, 5\), got "
                                          r"torch.float64 \(3, 5, 7\) \(not contiguous\)"):
         CrossEntropyHessian(targets)(logits, u, out=torch.empty(3, 7, 5, dtype=DTYPE).transpose(1, 2))

@@ -61,6 +61,39 @@ def test_bool_float32_and_query_dtype_masks_are_accepted_as_in_torch(gen):
         close(flashbob.sdpa(q, k, v, attn_mask=mask, enable_gqa=True), want)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_float_mask_that_hides_every_key_of_a_query_gives_zero_like_torch(gen, causal):
+    """A float bias with finite values elsewhere and -inf on every key a query sees (its whole row, or with
+    is_causal the first key, the only one query 0 sees): that query's output and gradients are 0 as in torch's
+    SDPA (they were NaN, and NaN gradients for every key and value); other rows are exact."""
+    q, k, v = qkv(gen, n=5, m=7)
+    bias = torch.randn(5, 7, generator=gen, dtype=torch.float64)
+    if causal:
+        bias[:, 0] = -math.inf
+    else:
+        bias[2] = -math.inf
+    leaves = [(q, k, v), tuple(x.clone() for x in (q, k, v))]
+    for inputs in leaves:
+        for x in inputs:
+            x.requires_grad_()
+    cotangent = torch.randn(2, 2, 5, 4, generator=gen, dtype=torch.float64)
+    outputs = []
+    causal_bias = bias.masked_fill(~torch.ones(5, 7, dtype=torch.bool).tril(), -math.inf)  # torch's is_causal
+    for fn, inputs in zip((torch_math_sdpa, flashbob.sdpa), leaves):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FallbackWarning)
+            if fn is torch_math_sdpa:  # torch refuses a mask with is_causal: the causal mask folded into the bias
+                out = fn(*inputs, attn_mask=causal_bias if causal else bias, enable_gqa=True)
+            else:
+                out = fn(*inputs, attn_mask=bias, is_causal=causal, enable_gqa=True)
+        outputs.append([out, *torch.autograd.grad((out * cotangent).sum(), inputs)])
+    empty = 0 if causal else 2
+    assert not outputs[1][0][..., empty, :].any()
+    for got, want in zip(outputs[1], outputs[0]):
+        assert torch.isfinite(got).all()
+        close(got, want)
+
+
 # ----------------------------------------------------------------------------- learnable biases
 
 
