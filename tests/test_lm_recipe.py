@@ -17,7 +17,7 @@ from wandb.proto import wandb_internal_pb2
 from optim.curvature import functional, hvp
 from recipes.common import checkpoint, data, run_folder
 from recipes.common.config import ConfigError
-from recipes.common.transformer import silu
+from recipes.common.transformer import Transformer, silu
 from recipes.lm import optimizers
 from recipes.lm.__main__ import main
 from recipes.lm.model import GPT, cross_entropy
@@ -111,6 +111,11 @@ MISMATCHES = [
                             "shape torch.Size([256, 32]) from checkpoint, the shape in current model is "
                             "torch.Size([256, 64]). (and 16 more)")),
     (["train.seed=1"], "does not fit this run's data: checkpoint data seed 0 differs from this run's 1"),
+    # the optimizer state and the scheduler's base lr would bring the saved values back, silently
+    (["optimizer.lr=0.05"], ("ran with optimizer.lr=0.01, this run asks for 0.05; the resumed optimizer state "
+                             "would keep the saved value: drop the change, or start a new run")),
+    (["optimizer.weight_decay=0.3"], "ran with optimizer.weight_decay=0.1, this run asks for 0.3;"),
+    (["optimizer.kwargs={amsgrad: true}"], "ran with optimizer.kwargs={}, this run asks for {'amsgrad': True};"),
 ]
 
 
@@ -125,8 +130,9 @@ def test_resuming_a_checkpoint_of_another_model_or_optimizer_is_one_line(tmp_pat
         with pytest.raises(SystemExit) as exit_:
             main([*args[:-1], "train.steps=4", *overrides, "--resume", "auto"])
         assert exit_.value.code == 2
-        assert capsys.readouterr().err.splitlines()[-1] == (f"python -m recipes.lm: error: train.resume: checkpoint "
-                                                            f"{source} {message}")
+        assert capsys.readouterr().err.splitlines()[-1].startswith(
+            f"python -m recipes.lm: error: train.resume: checkpoint {source} {message}"
+        )
     kept = OmegaConf.load(tmp_path / "tiny" / "config.yaml")
     assert (kept.optimizer.name, kept.model.d_model, kept.train.seed) == ("adamw", 32, 0), "config.yaml is untouched"
 
@@ -297,3 +303,18 @@ def test_second_order_optimizers_train(name, tmp_path):
     rows = [row for row in read_jsonl(tmp_path / "tiny" / "metrics.jsonl") if "train/loss" in row]
     assert len(rows) == 3 and all(np.isfinite(row["train/loss"]) for row in rows)
     assert any(key.startswith("optimizer/") for key in rows[-1])
+
+
+def test_optimizer_weight_decay_in_kwargs_and_a_zero_width_mlp_are_refused():
+    """A weight_decay among the constructor's kwargs was stored as its default and then overridden by the
+    recipe's parameter groups (0.1 and 0.0), so it had no effect; an mlp_ratio that rounds the hidden width to 0
+    built MLPs that always output 0 (both accepted without a word)."""
+    model = GPT(vocab_size=16, d_model=8, n_layers=1, n_heads=2)
+    with pytest.raises(ValueError, match="build_optimizer: weight_decay goes in its weight_decay argument"):
+        optimizers.build_optimizer(model, "sophiah", {}, {"weight_decay": 0.5}, 0.1, False)
+    groups = optimizers.build_optimizer(model, "sophiah", {}, {}, 0.5, False).param_groups
+    assert [g["weight_decay"] for g in groups] == [0.5, 0.0]
+    for make in (lambda: GPT(vocab_size=16, d_model=8, n_layers=1, n_heads=2, mlp="gelu", mlp_ratio=0.05),
+                 lambda: Transformer(vocab_size=16, n_outputs=16, d_model=8, n_heads=2, mlp_ratio=0.05)):
+        with pytest.raises(ValueError, match=r"mlp_ratio 0.05 gives the (gelu )?MLP of d_model 8 a hidden width of 0"):
+            make()

@@ -42,6 +42,14 @@ ONE_RECIPE = [
     ("lm", ["data.val_fraction=1.5"], "data.val_fraction must be in (0, 1)"),
     ("lm", ["data.source=text", "data.path=/nonexistent/*.txt"], "data.path '/nonexistent/*.txt' matches no files"),
     ("lm", ["data.source=binary", "data.path=/nonexistent.bin"], "data.path '/nonexistent.bin' is not a file"),
+    # settings that were accepted and then ignored or misused without a word
+    ("lm", ["optimizer.min_lr_ratio=3"], "optimizer.min_lr_ratio must be in [0, 1]"),
+    ("lm", ["optimizer.kwargs={weight_decay: 0.5}"], "optimizer.kwargs.weight_decay would be ignored or clash: it is "
+                                                     "set by optimizer.weight_decay (per parameter group)"),
+    ("lm", ["optimizer.kwargs={distributed: true}"], "optimizer.kwargs.distributed would be ignored or clash"),
+    ("lm", ["model.dropout=0.3", "optimizer.name=newtoncg", "optimizer.kwargs={mode: forward}"],
+     "model.dropout=0.3 with optimizer.kwargs.mode=forward"),
+    ("lm", ["model.mlp_ratio=0.02"], "model.mlp_ratio 0.02 gives the swiglu MLP of d_model 32 a hidden width of 0"),
     ("meta", ["maml.inner_optimizer=rmsprop"], "maml.inner_optimizer must be one of sgd, adam"),
     ("meta", ["task.family=omniglot"], "task.family must be one of prototype, motif"),
     ("meta", ["maml.inner_steps=0"], "maml.inner_steps must be > 0"),

@@ -187,6 +187,29 @@ def restore(source: Path, state: dict, **parts) -> None:
                               f"{_first_reason(error)}") from None
 
 
+RESTORED_OPTIMIZER_SETTINGS = ("lr", "betas", "eps", "weight_decay", "decay_all", "kwargs")
+"""Settings of a recipe's ``optimizer`` section that its state (param groups, the scheduler's base lr) restores."""
+
+
+def check_restored_settings(source: Path, state: dict, optimizer: dict) -> None:
+    """Refuse a resume that changes a setting the restored optimizer state would silently override.
+
+    ``optimizer`` is this run's ``optimizer`` config section, compared with the one saved in the
+    checkpoint (under ``state["config"]``; older checkpoints without it are not checked).
+
+    Raises:
+        ConfigError: naming ``source``, the first changed setting and both values.
+    """
+    saved = (state.get("config") or {}).get("optimizer") or {}
+    for key in RESTORED_OPTIMIZER_SETTINGS:
+        if key in saved and key in optimizer and saved[key] != optimizer[key]:
+            raise ConfigError(
+                f"train.resume: checkpoint {source} ran with optimizer.{key}={saved[key]}, this run asks for "
+                f"{optimizer[key]}; the resumed optimizer state would keep the saved value: drop the change, or "
+                "start a new run"
+            )
+
+
 def _first_reason(error: BaseException) -> str:
     """The first line of ``error`` that says something: torch's ``load_state_dict`` opens with a
     header line (``Error(s) in loading state_dict for GPT:``) and lists one problem per line."""

@@ -100,6 +100,8 @@ def _run(cfg: DictConfig, run_dir: Path, build: Build, ctx: distributed.Context,
     if resumed is not None:
         source, state = resumed
         run_folder.restore(source, state, **recipe.parts)
+        if "optimizer" in cfg:
+            run_folder.check_restored_settings(source, state, OmegaConf.to_container(cfg.optimizer))
         checkpoint.restore_rng(state, recipe.generator, ctx.rank, ctx.world_size)
         step = state["step"]
 

@@ -245,7 +245,11 @@ class Block(nn.Module):
         super().__init__()
         self.norm1, self.norm2 = RMSNorm(d_model), RMSNorm(d_model)
         self.attn = SelfAttention(d_model, n_heads, n_kv_heads, causal, rope_base, attend, out_gain)
-        self.mlp = MLP(d_model, round(mlp_ratio * d_model), out_gain)
+        hidden = round(mlp_ratio * d_model)
+        if hidden < 1:
+            raise ValueError(f"mlp_ratio {mlp_ratio} gives the MLP of d_model {d_model} a hidden width of {hidden}: "
+                             "it would always output 0; use a larger mlp_ratio")
+        self.mlp = MLP(d_model, hidden, out_gain)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))

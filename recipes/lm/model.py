@@ -52,15 +52,28 @@ class CausalSelfAttention(nn.Module):
         return self.dropout(self.out(rearrange(o, "b h n d -> b n (h d)")))
 
 
+def mlp_hidden(d_model: int, kind: str, ratio: float) -> int:
+    """The MLP's hidden width: ``ratio * d_model``, 2/3 of it for ``swiglu`` (as many weights as ``gelu``), rounded.
+
+    Raises:
+        ValueError: ``kind`` is neither, or the width rounds to 0 (an MLP that would always output 0).
+    """
+    if kind not in ("gelu", "swiglu"):
+        raise ValueError(f"mlp must be 'gelu' or 'swiglu', got {kind!r}")
+    hidden = round(ratio * d_model * (2 / 3 if kind == "swiglu" else 1))
+    if hidden < 1:
+        raise ValueError(f"mlp_ratio {ratio} gives the {kind} MLP of d_model {d_model} a hidden width of {hidden}: "
+                         "it would always output 0; use a larger mlp_ratio")
+    return hidden
+
+
 class MLP(nn.Module):
     """``gelu``: ``W2 gelu(W1 x)``; ``swiglu``: ``W2 (silu(Wg x) * Wu x)`` with 2/3 of the hidden width."""
 
     def __init__(self, d_model: int, kind: str, ratio: float, dropout: float):
         super().__init__()
-        if kind not in ("gelu", "swiglu"):
-            raise ValueError(f"mlp must be 'gelu' or 'swiglu', got {kind!r}")
+        hidden = mlp_hidden(d_model, kind, ratio)
         self.kind = kind
-        hidden = round(ratio * d_model * (2 / 3 if kind == "swiglu" else 1))
         self.up = nn.Linear(d_model, hidden * (2 if kind == "swiglu" else 1), bias=False)
         self.down = nn.Linear(hidden, d_model, bias=False)
         self.dropout = nn.Dropout(dropout)

@@ -79,6 +79,9 @@ def build_optimizer(model: nn.Module, name: str, settings: dict, kwargs: dict, w
     that does not take it cannot run data-parallel and raises ``ValueError``.
     """
     cls = optimizer_class(name)
+    if "weight_decay" in kwargs:  # the param groups set their own, which override a constructor default
+        raise ValueError("build_optimizer: weight_decay goes in its weight_decay argument (per parameter group), "
+                         "not in kwargs, where the groups' own values would override it")
     accepted = inspect.signature(cls).parameters
     chosen = {key: value for key, value in settings.items() if key in accepted}
     if "module" in accepted:

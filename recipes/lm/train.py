@@ -42,7 +42,7 @@ from recipes.common.schedule import build_scheduler
 from recipes.common.training import Autocast, Recipe, StepResult
 from recipes.common.transformer import ATTENTION, FIRST_ORDER_ATTENTION
 from recipes.lm import optimizers
-from recipes.lm.model import GPT, cross_entropy
+from recipes.lm.model import GPT, cross_entropy, mlp_hidden
 
 
 @dataclass
@@ -150,6 +150,28 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(str(error)) from None
     if optimizers.is_second_order(optimizer) and cfg.train.grad_accum_steps != 1:
         raise ConfigError(f"train.grad_accum_steps must be 1 for the second-order optimizer {cfg.optimizer.name}")
+    check_optimizer(cfg)
+    try:
+        mlp_hidden(m.d_model, m.mlp, m.mlp_ratio)
+    except ValueError as error:
+        raise ConfigError(f"model.{error}") from None
+
+
+def check_optimizer(cfg: DictConfig) -> None:
+    """Settings the optimizer would otherwise ignore or misuse without a word."""
+    o = cfg.optimizer
+    if o.min_lr_ratio > 1:
+        raise ConfigError(f"optimizer.min_lr_ratio must be in [0, 1] (the cosine decay ends at min_lr_ratio * lr), "
+                          f"got {o.min_lr_ratio}")
+    recipe_set = sorted(set(o.kwargs) & {"params", "module", "distributed", "weight_decay"})
+    if recipe_set:
+        key = recipe_set[0]
+        where = "optimizer.weight_decay (per parameter group)" if key == "weight_decay" else "the recipe"
+        raise ConfigError(f"optimizer.kwargs.{key} would be ignored or clash: it is set by {where}")
+    if cfg.model.dropout > 0 and o.kwargs.get("mode") == "forward":
+        raise ConfigError(f"model.dropout={cfg.model.dropout} with optimizer.kwargs.mode=forward: forward mode runs the "
+                          "model again for its curvature products, with a new dropout mask each time, so they would "
+                          "not be products of one matrix; set model.dropout=0 or use mode=reverse")
 
 
 def check_vocabulary(cfg: DictConfig) -> None:
