@@ -147,7 +147,35 @@ def functional(
             raise ValueError(f"expected {len(keys)} values, one per parameter, got {len(values)}")
         return functional_call(call, dict(zip(keys, values)), ())
 
+    run.module = module  # for the products that must see one deterministic function (active_dropout)
     return run
+
+
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def active_dropout(module: nn.Module) -> str | None:
+    """The name of the first submodule of ``module`` that draws a random mask in its forward (a dropout layer,
+    or ``nn.MultiheadAttention`` with a dropout rate, in training mode with a rate above 0); ``None`` if none
+    does. Dropout called as a function (``F.dropout``) cannot be seen."""
+    for name, sub in module.named_modules():
+        rate = sub.p if isinstance(sub, _DROPOUTS) else getattr(sub, "dropout", 0.0)
+        if sub.training and isinstance(sub, (*_DROPOUTS, nn.MultiheadAttention)) and rate > 0:
+            return name or type(module).__name__
+    return None
+
+
+def check_deterministic(owner: str, module: nn.Module | None) -> None:
+    """Raise ``RuntimeError`` if ``module`` would run with dropout (:func:`active_dropout`): products that run it
+    again (forward mode) would each see another mask, so they would not be products of one matrix."""
+    name = None if module is None else active_dropout(module)
+    if name is not None:
+        raise RuntimeError(
+            f"{owner}: forward mode runs the model again for each curvature product, and its {name!r} draws a new "
+            "dropout mask on every run, so the products would not be those of one matrix (a Gauss-Newton product "
+            "would not even be symmetric); call model.eval() or set the dropout rate to 0 for the curvature, or "
+            "use mode='reverse', which differentiates the closure's own graph"
+        )
 
 
 def _tangent(dual: Tensor) -> Tensor:
@@ -611,8 +639,14 @@ class GGNOperator(CurvatureOperator):
             self._transposed = _vjp([self.outputs], self.params, [self._dummy], retain_graph=True, create_graph=True)
 
     def jvp(self, vec: Tensors) -> Tensor:
-        r"""Return :math:`J v`, shaped like the outputs."""
+        r"""Return :math:`J v`, shaped like the outputs.
+
+        Raises:
+            RuntimeError: ``"forward"`` with outputs from :func:`functional` of a module that would run with
+                dropout (:func:`check_deterministic`).
+        """
         if self.mode == "forward":
+            check_deterministic("GGNOperator", getattr(self._outputs_fn, "module", None))
             return _forward_jvp(self._outputs_fn, self.params, vec, lean=self.lean_tangents)
         return _vjp(self._transposed, [self._dummy], vec, retain_graph=True)[0]
 

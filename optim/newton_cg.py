@@ -20,6 +20,7 @@ from optim.curvature import (
     HessianOperator,
     LossHessian,
     Mode,
+    check_deterministic,
     functional,
     hutchinson_diagonal,
 )
@@ -395,6 +396,8 @@ class NewtonCG(_closure.SecondOrderOptimizer):
     ) -> tuple[CurvatureOperator, tuple[Tensor, ...]]:
         """The operator on the whole batch's graph (``rows`` None) or on ``closure(rows)``; the gradient."""
         kind, mode = settings["curvature"], settings["mode"]
+        if mode == "forward":  # CG needs one matrix; each forward-mode product runs the model again
+            check_deterministic("NewtonCG", self.module)
         if kind == "ggn" and result.outputs is None:
             raise RuntimeError("NewtonCG(curvature='ggn') needs the closure to return (loss, outputs)")
         ggn = kind == "ggn" or (kind == "auto" and result.outputs is not None)

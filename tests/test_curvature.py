@@ -24,6 +24,7 @@ from optim import (
     HessianOperator,
     LossHessian,
     MSEHessian,
+    NewtonCG,
     functional,
     ggnvp,
     hutchinson_diagonal,
@@ -31,6 +32,7 @@ from optim import (
     power_iteration,
     trace,
 )
+from optim.curvature import active_dropout
 from recipes.common.transformer import Transformer
 from tests.helpers import assert_matches, needs_interpreter
 from tests.models import MLP
@@ -854,3 +856,26 @@ def test_products_through_the_triton_kernels_match_naive_attention() -> None:
     got, want = products(model), products(naive)
     assert want.norm() > 0
     assert ((got - want).norm() / want.norm()).item() < 1e-10
+
+
+def test_forward_mode_products_refuse_a_model_with_active_dropout() -> None:
+    """A forward-mode GGN product runs the model again: with dropout its J v saw another mask than the graph's
+    J^T (u.Gv != v.Gu, no error); NewtonCG's CG would see another matrix per product. Both refuse, naming the
+    layer; in eval mode, or with rate 0, they run. nn.MultiheadAttention's own dropout counts too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Dropout(0.5), nn.Linear(6, 3)).double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    params = list(model.parameters())
+    outputs = functional(model, lambda: model(x))
+    vec = [torch.randn_like(p) for p in params]
+    with pytest.raises(RuntimeError, match=r"GGNOperator: forward mode runs the model again .* its '2' draws a new"):
+        GGNOperator(outputs, params, CrossEntropyHessian(y), mode="forward").matvec(vec)
+    with pytest.raises(RuntimeError, match=r"NewtonCG: forward mode runs the model again .* its '2' draws a new"):
+        NewtonCG(params, mode="forward", module=model).step(lambda: (F.cross_entropy(model(x), y), model(x)))
+    model.eval()
+    GGNOperator(outputs, params, CrossEntropyHessian(y), mode="forward").matvec(vec)
+    model.train()
+    model[2].p = 0.0
+    GGNOperator(outputs, params, CrossEntropyHessian(y), mode="forward").matvec(vec)
+    attention = nn.MultiheadAttention(4, 2, dropout=0.1)
+    assert active_dropout(nn.Sequential(attention)) == "0" and active_dropout(attention.eval()) is None

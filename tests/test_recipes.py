@@ -48,7 +48,7 @@ ONE_RECIPE = [
                                                      "set by optimizer.weight_decay (per parameter group)"),
     ("lm", ["optimizer.kwargs={distributed: true}"], "optimizer.kwargs.distributed would be ignored or clash"),
     ("lm", ["model.dropout=0.3", "optimizer.name=newtoncg", "optimizer.kwargs={mode: forward}"],
-     "model.dropout=0.3 with optimizer.kwargs.mode=forward"),
+     "model.dropout=0.3 with newtoncg's optimizer.kwargs.mode=forward"),
     ("lm", ["model.mlp_ratio=0.02"], "model.mlp_ratio 0.02 gives the swiglu MLP of d_model 32 a hidden width of 0"),
     ("meta", ["maml.inner_optimizer=rmsprop"], "maml.inner_optimizer must be one of sgd, adam"),
     ("meta", ["task.family=omniglot"], "task.family must be one of prototype, motif"),

@@ -168,10 +168,10 @@ def check_optimizer(cfg: DictConfig) -> None:
         key = recipe_set[0]
         where = "optimizer.weight_decay (per parameter group)" if key == "weight_decay" else "the recipe"
         raise ConfigError(f"optimizer.kwargs.{key} would be ignored or clash: it is set by {where}")
-    if cfg.model.dropout > 0 and o.kwargs.get("mode") == "forward":
-        raise ConfigError(f"model.dropout={cfg.model.dropout} with optimizer.kwargs.mode=forward: forward mode runs the "
-                          "model again for its curvature products, with a new dropout mask each time, so they would "
-                          "not be products of one matrix; set model.dropout=0 or use mode=reverse")
+    if cfg.model.dropout > 0 and o.name == "newtoncg" and o.kwargs.get("mode") == "forward":
+        raise ConfigError(f"model.dropout={cfg.model.dropout} with newtoncg's optimizer.kwargs.mode=forward: forward "
+                          "mode runs the model again for each curvature product, with a new dropout mask each time, so "
+                          "CG would not see one matrix; set model.dropout=0 or use mode=reverse")
 
 
 def check_vocabulary(cfg: DictConfig) -> None:
