@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import warnings
 
 import torch
@@ -248,13 +249,40 @@ def sdpa(
     return out
 
 
+class _Patch:
+    """The process-wide state of :class:`patch_sdpa`: the function it replaced, how many patches are open in
+    all threads, and each thread's open patches (innermost last)."""
+
+    lock = threading.Lock()
+    original = None
+    open_count = 0
+    local = threading.local()
+
+    @classmethod
+    def stack(cls) -> list:
+        if not hasattr(cls.local, "stack"):
+            cls.local.stack = []
+        return cls.local.stack
+
+
+def _patched_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """What ``F.scaled_dot_product_attention`` is while a :class:`patch_sdpa` is open in any thread: :func:`sdpa`
+    with the backend of this thread's innermost patch, or the replaced function in a thread without one."""
+    stack = _Patch.stack()
+    if not stack:
+        return _Patch.original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                               scale=scale, enable_gqa=enable_gqa)  # fmt: skip
+    return sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend=stack[-1].backend)
+
+
 class patch_sdpa(contextlib.ContextDecorator):
     """Route ``torch.nn.functional.scaled_dot_product_attention`` through :func:`sdpa`.
 
-    A context manager and a decorator; restores the previous function on exit (also on errors), and
-    nests: an inner ``patch_sdpa`` restores the outer one's patch. Code that imported the function
-    by name before patching (``from torch.nn.functional import scaled_dot_product_attention``) keeps
-    the original. Example::
+    A context manager and a decorator; the patch holds in the thread that opened it, until it closes
+    (also on errors). Patches nest (the innermost one's ``backend`` applies) and may close in any order;
+    other threads keep the original function meanwhile, and the last patch to close, in any thread, puts
+    it back. Code that imported the function by name before patching (``from torch.nn.functional import
+    scaled_dot_product_attention``) keeps the original. Example::
 
         with flashbob.patch_sdpa():
             loss = model(x).sum()              # model calls F.scaled_dot_product_attention
@@ -263,17 +291,23 @@ class patch_sdpa(contextlib.ContextDecorator):
 
     def __init__(self, backend: str = "auto"):
         self.backend = backend
-        self._saved: list = []
-
-    def _patched(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                 enable_gqa=False):
-        return sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend=self.backend)
 
     def __enter__(self):
-        self._saved.append(F.scaled_dot_product_attention)
-        F.scaled_dot_product_attention = self._patched
+        with _Patch.lock:
+            if _Patch.open_count == 0:
+                _Patch.original = F.scaled_dot_product_attention
+                F.scaled_dot_product_attention = _patched_sdpa
+            _Patch.open_count += 1
+        _Patch.stack().append(self)
         return self
 
     def __exit__(self, *exc):
-        F.scaled_dot_product_attention = self._saved.pop()
+        stack = _Patch.stack()
+        del stack[len(stack) - 1 - stack[::-1].index(self)]  # this patch's innermost entry, wherever it is
+        with _Patch.lock:
+            _Patch.open_count -= 1
+            if _Patch.open_count == 0:
+                if F.scaled_dot_product_attention is _patched_sdpa:  # unless someone replaced it meanwhile
+                    F.scaled_dot_product_attention = _Patch.original
+                _Patch.original = None
         return False

@@ -128,3 +128,17 @@ def test_other_masks_fall_back_with_a_warning():
         got = model(ids, attention_mask=custom).logits
     want = build("llama", "naive_test", torch.float64)(ids, attention_mask=custom).logits
     assert (got - want).abs().max() < 1e-10
+
+
+def test_attention_sinks_are_refused_and_missing_weights_are_said():
+    """A GPT-OSS model passes attention sinks (s_aux; other models call them sinks), which 'bob' dropped: logits
+    0.37 off eager's and no gradient for the sinks, without a word; output_attentions=True got no weights silently
+    (transformers' own 'sdpa' at least logs it). Now the first raises and the second warns."""
+    q = torch.randn(1, 4, 5, 8, dtype=torch.float64)
+    for name in ("s_aux", "sinks"):
+        with pytest.raises(ValueError, match=rf"does not support attention sinks \(this model passes {name}, "):
+            huggingface.flashbob_attention_forward(torch.nn.Module(), q, q, q, None, **{name: torch.zeros(4)})
+    llama = build("llama", huggingface.NAME, torch.float64)
+    huggingface._warned_attentions = False
+    with pytest.warns(UserWarning, match="output_attentions=True returns None for them; use attn_implementation="):
+        llama(batch()[0], output_attentions=True)

@@ -50,6 +50,8 @@ ONE_RECIPE = [
     ("lm", ["model.dropout=0.3", "optimizer.name=newtoncg", "optimizer.kwargs={mode: forward}"],
      "model.dropout=0.3 with newtoncg's optimizer.kwargs.mode=forward"),
     ("lm", ["model.mlp_ratio=0.02"], "model.mlp_ratio 0.02 gives the swiglu MLP of d_model 32 a hidden width of 0"),
+    ("lm", ["model.checkpoint_activations=true", "model.attention=sdpa", "optimizer.name=sophiah"],
+     "model.checkpoint_activations with model.attention=sdpa and the second-order optimizer sophiah"),
     ("meta", ["maml.inner_optimizer=rmsprop"], "maml.inner_optimizer must be one of sgd, adam"),
     ("meta", ["task.family=omniglot"], "task.family must be one of prototype, motif"),
     ("meta", ["maml.inner_steps=0"], "maml.inner_steps must be > 0"),

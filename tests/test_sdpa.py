@@ -136,16 +136,33 @@ def naive_sdpa():
         F.scaled_dot_product_attention = saved
 
 
-def test_patch_sdpa_restores_nests_and_decorates(gen):
+def backends_used(monkeypatch) -> list:
+    """The ``backend`` of every :func:`flashbob.dropin.sdpa` call a patched F.scaled_dot_product_attention makes."""
+    calls, real = [], dropin.sdpa
+
+    def recorded(*args, backend, **kwargs):
+        calls.append(backend)
+        return real(*args, backend=backend, **kwargs)
+
+    monkeypatch.setattr(dropin, "sdpa", recorded)
+    return calls
+
+
+def test_patch_sdpa_restores_nests_and_decorates(gen, monkeypatch):
+    calls = backends_used(monkeypatch)
+    q = torch.randn(1, 2, 3, 4, generator=gen, dtype=torch.float64)
+
+    def attend():
+        return F.scaled_dot_product_attention(q, q, q)
+
     assert F.scaled_dot_product_attention is TORCH_SDPA
     with flashbob.patch_sdpa() as outer:
-        patched = F.scaled_dot_product_attention
-        assert patched is not TORCH_SDPA
+        attend()
         with flashbob.patch_sdpa(backend="blocked"):
-            assert F.scaled_dot_product_attention not in (TORCH_SDPA, patched)
-        assert F.scaled_dot_product_attention == patched
+            attend()
+        attend()
         assert outer.backend == "auto"
-    assert F.scaled_dot_product_attention is TORCH_SDPA
+    assert F.scaled_dot_product_attention is TORCH_SDPA and calls == ["auto", "blocked", "auto"]
     with pytest.raises(ValueError, match="boom"), flashbob.patch_sdpa():
         raise ValueError("boom")
     assert F.scaled_dot_product_attention is TORCH_SDPA
@@ -155,6 +172,54 @@ def test_patch_sdpa_restores_nests_and_decorates(gen):
         return F.scaled_dot_product_attention is not TORCH_SDPA
 
     assert inside() and F.scaled_dot_product_attention is TORCH_SDPA
+    first, second = flashbob.patch_sdpa(backend="blocked"), flashbob.patch_sdpa(backend="triton")
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)  # closed out of order: the other one still holds, with its own backend
+    calls.clear()
+    attend()
+    second.__exit__(None, None, None)
+    assert calls == ["triton"] and F.scaled_dot_product_attention is TORCH_SDPA
+
+
+def test_patch_sdpa_holds_per_thread_and_the_last_one_out_restores(gen, monkeypatch):
+    """Two threads whose patches overlap (A opens, B opens, A closes, B closes): B stayed patched until it closed,
+    a thread without a patch kept torch's function all along, and torch's is back at the end. Before, A's exit
+    put torch's back under B, and B's exit put A's patch back for good."""
+    import threading
+
+    calls = backends_used(monkeypatch)
+    q = torch.randn(1, 2, 3, 4, generator=gen, dtype=torch.float64)
+    expected = TORCH_SDPA(q, q, q)
+    a_open, b_open, a_closed = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def thread_a():
+        with flashbob.patch_sdpa(backend="blocked"):
+            a_open.set()
+            b_open.wait()
+        a_closed.set()
+
+    def thread_b():
+        a_open.wait()
+        with flashbob.patch_sdpa(backend="triton"):
+            b_open.set()
+            a_closed.wait()
+            seen["b"] = F.scaled_dot_product_attention(q, q, q)
+
+    def outsider():
+        b_open.wait()
+        seen["outsider"] = F.scaled_dot_product_attention(q, q, q)
+
+    threads = [threading.Thread(target=f) for f in (thread_a, thread_b, outsider)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == ["triton"], calls  # B after A closed went through flashbob; the outsider did not
+    torch.testing.assert_close(seen["b"], expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(seen["outsider"], expected, rtol=0, atol=0)
+    assert F.scaled_dot_product_attention is TORCH_SDPA
 
 
 class NanoGPTAttention(torch.nn.Module):

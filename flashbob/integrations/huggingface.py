@@ -18,6 +18,8 @@ exact fallback, with a one-time warning (or an error in strict mode).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from flashbob.dropin import sdpa
@@ -37,11 +39,23 @@ def flashbob_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """The transformers attention-interface function: ``(B, H, N, d)`` inputs (kv heads unrepeated),
-    returns ``((B, N, H, d) output, None)`` like the SDPA implementation."""
+    returns ``((B, N, H, d) output, None)`` like the SDPA implementation.
+
+    Raises:
+        ValueError: a model passes what softmax attention with a mask cannot express: ``softcap``,
+            ``position_bias``, or attention sinks (``s_aux`` / ``sinks``, e.g. GPT-OSS), which would
+            otherwise be dropped silently.
+    """
     if kwargs.get("softcap") is not None:
         raise ValueError("attn_implementation='flashbob' does not support softcap; use 'eager'")
     if kwargs.get("position_bias") is not None:
         raise ValueError("attn_implementation='flashbob' does not support position_bias; use 'eager' or 'sdpa'")
+    sinks = next((name for name in ("s_aux", "sinks") if kwargs.get(name) is not None), None)
+    if sinks is not None:
+        raise ValueError(f"attn_implementation='flashbob' does not support attention sinks (this model passes "
+                         f"{sinks}, a per-head logit added to every softmax row); use 'eager'")
+    if kwargs.get("output_attentions", False) and not _warned_attentions:
+        _warn_no_attention_weights()
     n = query.shape[2]
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = bool(is_causal) and attention_mask is None and n > 1
@@ -52,6 +66,17 @@ def flashbob_attention_forward(
         enable_gqa=query.shape[1] != key.shape[1],
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+_warned_attentions = False
+
+
+def _warn_no_attention_weights() -> None:
+    """Say once per process that ``output_attentions=True`` gets no weights (as transformers' 'sdpa' does)."""
+    global _warned_attentions
+    _warned_attentions = True
+    warnings.warn("attn_implementation='flashbob' never forms the attention weights, so output_attentions=True "
+                  "returns None for them; use attn_implementation='eager' to get them", UserWarning, stacklevel=3)
 
 
 def _usable_name(name: str) -> bool:

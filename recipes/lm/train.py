@@ -151,6 +151,11 @@ def validate(cfg: DictConfig) -> None:
     if optimizers.is_second_order(optimizer) and cfg.train.grad_accum_steps != 1:
         raise ConfigError(f"train.grad_accum_steps must be 1 for the second-order optimizer {cfg.optimizer.name}")
     check_optimizer(cfg)
+    if m.checkpoint_activations and m.attention in FIRST_ORDER_ATTENTION and optimizers.is_second_order(optimizer):
+        raise ConfigError(f"model.checkpoint_activations with model.attention={m.attention} and the second-order "
+                          f"optimizer {cfg.optimizer.name}: the checkpoint recomputes its blocks during backward, "
+                          "outside the switch to flashbob for curvature, so the recomputation would not match; use "
+                          "model.attention=auto (or checkpoint_activations=false)")
     try:
         mlp_hidden(m.d_model, m.mlp, m.mlp_ratio)
     except ValueError as error:
