@@ -111,6 +111,9 @@ VARIANTS = {  # name: (optimizer, its settings)
     "sophiah_full": ("sophiah", SOPHIA_H),
     # SophiaH's Hutchinson products by forward over reverse (the first window run again with the probe as tangent)
     "sophiah_forward": ("sophiah", [*SETTINGS["sophiah"], "optimizer.kwargs.mode=forward"]),
+    # ... on both windows: the refresh is then the probe's forward-over-reverse pass alone (its values are the loss
+    # and gradient), no first-order pass before it
+    "sophiah_full_forward": ("sophiah", [*SOPHIA_H, "optimizer.kwargs.mode=forward"]),
 }
 FIELDS = ["optimizer", "step", "tokens", "step_s", "train_s", "train_loss", "val_loss", "lr", "max_memory_gib"]
 LAST_STEPS = 10  # the summary's train loss is the mean over this many last steps

@@ -65,7 +65,8 @@ def test_sophia_steps_passes_attentions_and_syncs():
     finiteness check and the recipe's loss, after the step); a refresh step with hessian_batch 1 (the comparison's
     setting) the gradient on SDPA and the estimate on closure(rows) through flashbob; without it (sophiah_full)
     flashbob and a create_graph backward on the whole batch; in forward mode (sophiah_forward) the estimate's pass
-    carries tangents through flashbob and no create_graph backward runs."""
+    carries tangents through flashbob and no create_graph backward runs, and on the whole batch
+    (sophiah_full_forward) that pass is all the refresh step runs."""
     kinds = profiled("sophiah")
     plain, counter = kinds["plain"]
     assert set(plain) == {"step", "step / forward [grad, 2 rows]", "step / forward [grad, 2 rows] / attention: sdpa",
@@ -85,6 +86,10 @@ def test_sophia_steps_passes_attentions_and_syncs():
     assert calls(refresh, "step / forward [grad, 2 rows] / attention: sdpa") == 2
     assert calls(refresh, product + " / forward [tangents, 1 rows] / attention: flashbob") == 2
     assert calls(refresh, product + " / backward") == 1 and not any("create_graph" in phase for phase in refresh)
+    refresh, _ = profiled("sophiah_full_forward")["refresh"]  # on both windows: that pass is the refresh step's only
+    assert set(refresh) == {"step", "step / Hutchinson estimate", product, product + " / forward [tangents, 2 rows]",
+                            product + " / forward [tangents, 2 rows] / attention: flashbob", product + " / backward",
+                            "step / update"}, list(refresh)
 
 
 def test_main_prints_a_table_per_kind_and_writes_the_csv(tmp_path, monkeypatch, capsys):
