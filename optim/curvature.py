@@ -159,8 +159,13 @@ def active_dropout(module: nn.Module) -> str | None:
     or ``nn.MultiheadAttention`` with a dropout rate, in training mode with a rate above 0); ``None`` if none
     does. Dropout called as a function (``F.dropout``) cannot be seen."""
     for name, sub in module.named_modules():
-        rate = sub.p if isinstance(sub, _DROPOUTS) else getattr(sub, "dropout", 0.0)
-        if sub.training and isinstance(sub, (*_DROPOUTS, nn.MultiheadAttention)) and rate > 0:
+        if isinstance(sub, _DROPOUTS):
+            rate = sub.p
+        elif isinstance(sub, nn.MultiheadAttention):
+            rate = sub.dropout
+        else:
+            continue
+        if sub.training and rate > 0:
             return name or type(module).__name__
     return None
 
