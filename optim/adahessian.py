@@ -117,6 +117,7 @@ class AdaHessian(_closure.SecondOrderOptimizer):
             params, groups = [p for p, _ in kept], [group for _, group in kept]
         if not params:
             return self._step_without_update(closure)
+        _dist.check_alike(self.generator, params[0].device, self.group, self._owner)
         if closure is not None:
             result, loss, finite = self._evaluate_loss(closure)
             if not finite:

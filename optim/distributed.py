@@ -116,6 +116,30 @@ def shared_generator(device: torch.device, group: Group, *, per_rank: bool = Fal
     return torch.Generator(device=device).manual_seed(int(seed) + offset)
 
 
+def check_alike(generator: torch.Generator | None, device: torch.device, group: Group, owner: str) -> None:
+    """Raise ``RuntimeError`` unless ``generator`` is in the same state on every rank of ``group``.
+
+    Probes that must agree across ranks (Hutchinson's: the rank average of :math:`u \circ H_r u` is the
+    whole batch's estimate only for one :math:`u`) come from such a generator; one seeded differently per
+    rank would give every rank the same, wrong, average without any sign. One all-reduce of two numbers
+    (a fingerprint of the state and its square: their spread is 0 only if all ranks agree). Nothing to
+    check in one process or without a generator.
+    """
+    if group is None or generator is None:
+        return
+    state = generator.get_state().double()
+    fingerprint = float((state * torch.arange(1, state.numel() + 1, dtype=torch.float64)).sum())
+    moments = torch.tensor([fingerprint, fingerprint**2], dtype=torch.float64, device=device)
+    dist.all_reduce(moments, group=group)
+    mean, mean_square = (moments / dist.get_world_size(group)).tolist()
+    if mean_square - mean**2 > 1e-9 * max(mean_square, 1.0):
+        raise RuntimeError(
+            f"{owner}: the probe generator is in another state on some rank, so the ranks would average estimates "
+            "of different probes (not the whole batch's estimate); pass a generator seeded alike on every rank, "
+            "or none (optim.distributed.shared_generator)"
+        )
+
+
 class AveragedOperator(CurvatureOperator):
     r"""The rank average :math:`\frac1R \sum_r A_r` of each rank's curvature operator: the full-batch operator.
 

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from typing import Any, ClassVar, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from optim import _closure
@@ -182,7 +183,9 @@ class NewtonCG(_closure.SecondOrderOptimizer):
             count), ``"mse"`` (mean), or any :class:`~optim.curvature.LossHessian`. A
             ``loss_hessian`` in the closure's dict overrides it for that batch.
         generator: Source of Hutchinson probes (the global one if ``None``; in distributed mode, a
-            generator seeded alike on every rank).
+            generator seeded alike on every rank: a refresh checks that it is, and raises if not).
+            Distributed, Bartlett's labels come from a generator of their own, seeded from one draw of
+            it plus the rank (each rank's rows need independent labels).
         distributed: ``True`` (the default process group) or a ``torch.distributed`` process group:
             average over its ranks as above. ``False``: one process.
     """
@@ -254,9 +257,18 @@ class NewtonCG(_closure.SecondOrderOptimizer):
         self.module, self.lean_tangents = module, lean_tangents
         self.loss_hessian = loss_hessian
         self.group = _dist.resolve(distributed, "NewtonCG")
+        device = self.param_groups[0]["params"][0].device
         if generator is None and self.group is not None:
-            generator = _dist.shared_generator(self.param_groups[0]["params"][0].device, self.group)
+            generator = _dist.shared_generator(device, self.group)
         self.generator = generator
+        # Bartlett's labels must be independent across ranks' rows (alike draws would correlate the rows of
+        # different ranks and bias the diagonal): a generator of their own, seeded from a shared draw plus the rank
+        self._label_generator = generator
+        if self.group is not None and preconditioner == "bartlett":
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+            self._label_generator = torch.Generator(device=generator.device).manual_seed(
+                seed + dist.get_rank(self.group)
+            )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; it may set its own ``lr`` and ``weight_decay``, but must share the other settings."""
@@ -435,6 +447,7 @@ class NewtonCG(_closure.SecondOrderOptimizer):
         elif kind == "bartlett":
             estimate = self._bartlett(operator, params)
         else:
+            _dist.check_alike(self.generator, params[0].device, self.group, "NewtonCG")
             with _closure.graph_errors("NewtonCG"):
                 estimate = tuple(d.abs() for d in hutchinson_diagonal(operator, generator=self.generator))
         beta = settings["precond_beta"]
@@ -456,8 +469,9 @@ class NewtonCG(_closure.SecondOrderOptimizer):
         hessian = local.loss_hessian
         with torch.enable_grad(), _closure.graph_errors("NewtonCG"):
             return gauss_newton_bartlett(
-                local.outputs, hessian.targets, params, ignore_index=hessian.ignore_index, generator=self.generator,
-                chunk_elements=hessian.chunk_elements, group=self.group, owner="NewtonCG",
+                local.outputs, hessian.targets, params, ignore_index=hessian.ignore_index,
+                generator=self._label_generator, chunk_elements=hessian.chunk_elements, group=self.group,
+                owner="NewtonCG",
             )  # fmt: skip
 
     def _search(self, settings, closure, params, lrs, g, solve, models, f0, sign):

@@ -445,6 +445,7 @@ class SophiaH(_Sophia):
     ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
         """The estimate of ``operator``'s diagonal and, if ``gradient``, the gradient the operator is taken at
         (read after the products, which in forward mode bring it), averaged over the ranks in one all-reduce."""
+        _dist.check_alike(self.generator, operator.params[0].device, self.group, self._owner)
         estimate = hutchinson_diagonal(operator, self.num_samples, self.distribution, self.generator)
         grads = operator.gradient if gradient else ()
         _closure.check_dense(self._owner, grads)

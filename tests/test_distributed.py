@@ -46,6 +46,15 @@ CASES = {
 REPLICATED = {
     "sophiah_default_generator": (lambda p, g, d: SophiaH(p, lr=2e-2, update_period=2, distributed=d), 3),
     "sophiag": (lambda p, g, d: SophiaG(p, lr=2e-2, update_period=2, distributed=d), 3),
+    "newtoncg_bartlett": (lambda p, g, d: NewtonCG(p, preconditioner="bartlett", max_cg_iters=4, generator=g,
+                                                   distributed=d), 2),
+}
+# Probe generators seeded differently per rank: each rank's estimate would be of another probe, and their average
+# not the whole batch's; the ranks still agreed, so nothing showed it. Now the refresh refuses.
+MISMATCHED = {
+    "sophiah": lambda p, g: SophiaH(p, update_period=2, generator=g, distributed=True),
+    "newtoncg": lambda p, g: NewtonCG(p, preconditioner="hutchinson", max_cg_iters=2, generator=g, distributed=True),
+    "adahessian": lambda p, g: AdaHessian(p, generator=g, distributed=True),
 }
 
 
@@ -90,9 +99,26 @@ def _optimizer_worker(rank: int, init_file: str, out_dir: str) -> None:
     try:
         results = {name: run_case(factory, steps, rank, WORLD, True)
                    for name, (factory, steps) in {**CASES, **REPLICATED}.items()}
+        results["mismatched"] = {name: mismatched_error(factory, rank) for name, factory in MISMATCHED.items()}
+        bartlett = NewtonCG([torch.nn.Parameter(torch.zeros(2))], preconditioner="bartlett", distributed=True)
+        results["label_state"] = bartlett._label_generator.get_state()
+        results["probe_state"] = bartlett.generator.get_state()
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def mismatched_error(factory, rank: int) -> str | None:
+    """The error of a step whose probe generator is seeded with the rank (None if it ran)."""
+    torch.manual_seed(0)
+    model = Transformer(vocab_size=16, n_outputs=16, d_model=16, n_heads=2, n_kv_heads=1, n_layers=1).double()
+    x, y = lm_batch(4)
+    opt = factory(model.parameters(), torch.Generator().manual_seed(rank))
+    try:
+        opt.step(lambda: (F.cross_entropy(model(x).flatten(0, 1), y.flatten()), model(x)))
+    except RuntimeError as error:
+        return str(error)
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +148,21 @@ def test_ranks_stay_bitwise_replicated(name, two_rank_results):
     first, second = (result[name] for result in two_rank_results)
     assert torch.equal(first["final"], second["final"]) and not torch.equal(first["final"], first["initial"])
     assert first["losses"] == second["losses"]
+
+
+def test_probe_generators_that_differ_between_ranks_are_refused(two_rank_results):
+    for rank in two_rank_results:
+        for name, error in rank["mismatched"].items():
+            assert error is not None and "the probe generator is in another state on some rank" in error, name
+
+
+def test_newton_cg_bartlett_labels_are_drawn_independently_per_rank(two_rank_results):
+    """NewtonCG's Bartlett preconditioner drew its labels from the shared probe generator: row i of every rank got
+    the same draw, which correlated the ranks' rows and doubled the diagonal's trace on identical shards (71.9
+    against 36.1). Its labels now come from a generator of their own, seeded per rank; the probes stay shared."""
+    first, second = two_rank_results
+    assert torch.equal(first["probe_state"], second["probe_state"])
+    assert not torch.equal(first["label_state"], second["label_state"])
 
 
 def test_distributed_needs_an_initialised_process_group():
