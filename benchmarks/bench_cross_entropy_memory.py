@@ -41,6 +41,8 @@ def measure(fn, device: torch.device, reps: int) -> tuple[float, float]:
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     fn()
+    if cuda:
+        torch.cuda.synchronize()  # else the first call's queued work would fall in the timed window
     extra = torch.cuda.max_memory_allocated() - before if cuda else float("nan")
     start = time.perf_counter()
     for _ in range(reps):
