@@ -91,7 +91,7 @@ def _forward_kernel(
 
     o_src = common.head_tile_source(O, batch, head, stride_ob, stride_oh, N, stride_on, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
     if HAS_KEY_MASK:
-        seen = row_sum > 0
+        seen = row_sum != 0  # a NaN sum (a NaN or +inf score) counts as seen, so that it reaches O and the statistics
         row_sum = tl.where(seen, row_sum, 1.0)
         row_max = tl.where(seen, row_max, float("inf"))
     o = acc / row_sum[:, None]
