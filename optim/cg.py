@@ -59,7 +59,8 @@ class CGResult:
 
     Attributes:
         x: The last iterate.
-        iterations: Matrix-vector products spent in the iteration (not counting the one for ``x0``).
+        iterations: Matrix-vector products spent in the iteration, the one that found negative
+            curvature or a non-finite value included (not counting the one for ``x0``).
         status: Why it stopped: ``"converged"`` (residual below ``tol``), ``"progress"`` (Martens'
             relative-progress rule), ``"max_iter"``, ``"negative_curvature"`` (:math:`p^\\top A p \\le 0`)
             or ``"breakdown"`` (a non-finite product; ``x`` is the last finite iterate).
@@ -118,7 +119,10 @@ def cg(
       later the current iterate is returned (as in Steihaug's truncated CG);
     - a product or inner product is not finite (``"breakdown"``).
 
-    A warm start with :math:`\phi(x_0) > 0` is worse than :math:`x = 0`, so CG then starts from zero.
+    A warm start with :math:`\phi(x_0) > 0` is worse than :math:`x = 0`, and one with :math:`b^\top x_0 \le 0`
+    points away from :math:`b` (uphill when :math:`b = -g`, which a negative-curvature :math:`A` allows even at
+    :math:`\phi(x_0) \le 0`), so CG then starts from zero: from zero every iterate before a negative curvature
+    has :math:`b^\top x_i > 0`.
 
     Args:
         matvec: :math:`v \mapsto A v` for symmetric :math:`A`.
@@ -129,7 +133,8 @@ def cg(
         progress_tol: Martens' :math:`\epsilon` (he used :math:`5 \cdot 10^{-4}`); 0 turns the rule off.
         progress_window: Smallest :math:`k` of that rule (Martens: 10).
         precondition: :math:`r \mapsto M^{-1} r`; the identity if ``None``.
-        save_at: Iterations whose iterates to keep (e.g. :func:`martens_schedule`); the last is always kept.
+        save_at: Iterations whose iterates to keep (e.g. :func:`martens_schedule`; 0 is the start); the last
+            is always kept.
 
     Returns:
         A :class:`CGResult`.
@@ -148,7 +153,7 @@ def cg(
         x = flat.join(x0)
         r = b - product(x)
     bb, rr, bx, xr = torch.stack([b @ b, r @ r, b @ x, x @ r]).tolist()  # one host synchronisation
-    if x0 is not None and -0.5 * (bx + xr) > 0:
+    if x0 is not None and (-0.5 * (bx + xr) > 0 or bx <= 0):
         x, r, rr, bx, xr = torch.zeros_like(b), b, bb, 0.0, 0.0
     objectives = [-0.5 * (bx + xr)]
     if not math.isfinite(objectives[0] + rr):
@@ -156,14 +161,15 @@ def cg(
         return CGResult(start.x, 0, "breakdown", objectives[0], [start])
     z = preconditioned(r)
     p, rz = z, r @ z
-    iterates: list[CGIterate] = []
+    iterates = [CGIterate(0, flat.split(x), objectives[0], bx, float(x @ x))] if 0 in save_at else []
     status: Status = "max_iter"
-    i = 0
+    i = products = 0
     while i < max_iter:
         if math.sqrt(rr) <= tol * math.sqrt(bb):
             status = "converged"
             break
         ap = product(p)
+        products += 1
         pap = p @ ap
         alpha = rz / pap.abs()  # with |pAp|: a first direction of negative curvature is still a descent step
         x_next, r_next = torch.addcmul(x, p, alpha), torch.addcmul(r, ap, alpha, value=-1)
@@ -191,6 +197,8 @@ def cg(
         z = preconditioned(r)
         rz_next = r @ z
         p, rz = torch.addcmul(z, p, rz_next / rz), rz_next
+    if status == "max_iter" and math.sqrt(rr) <= tol * math.sqrt(bb):  # converged on the last allowed iteration
+        status = "converged"
     if not iterates or iterates[-1].iteration != i:
         iterates.append(CGIterate(i, flat.split(x), objectives[-1], bx, float(x @ x)))
-    return CGResult(iterates[-1].x, i, status, objectives[-1], iterates)
+    return CGResult(iterates[-1].x, products, status, objectives[-1], iterates)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -509,7 +510,9 @@ class CurvatureOperator:
 
         def matvec(x: np.ndarray) -> np.ndarray:
             v = torch.from_numpy(np.asarray(x, dtype=np.float64).reshape(-1))
-            return (self @ v.to(self.device, self.dtype)).detach().to("cpu", torch.float64).numpy()
+            parts = [part.to(self.device, p.dtype) for part, p in zip(_unflatten(v, self.params), self.params)]
+            product = self.matvec(parts)  # each parameter's block in its own dtype (not all in the first one's)
+            return torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in product]).numpy()
 
         return LinearOperator(self.shape, matvec=matvec, rmatvec=matvec, dtype=np.float64)
 
@@ -821,7 +824,9 @@ def power_iteration(
     From a random unit :math:`v_0`, iterates :math:`v_{k+1} = A v_k / \lVert A v_k \rVert` and
     returns the Rayleigh quotient :math:`\lambda = v_k^\top A v_k` with :math:`v_k` once the residual
     satisfies :math:`\lVert A v_k - \lambda v_k \rVert \le \text{tol}\, |\lambda|`, or after
-    ``max_iter`` products. Convergence is geometric in :math:`|\lambda_2 / \lambda_1|`.
+    ``max_iter`` products, with a ``RuntimeWarning`` that gives the residual: then :math:`\lambda` need not
+    be an eigenvalue (it does not converge when :math:`|\lambda_2| = |\lambda_1|`, e.g. a saddle with
+    eigenvalues :math:`\pm\lambda`). Convergence is geometric in :math:`|\lambda_2 / \lambda_1|`.
 
     Args:
         operator: A :class:`CurvatureOperator`, or a ``(loss, params)`` pair for its Hessian.
@@ -838,8 +843,16 @@ def power_iteration(
     for step in range(max_iter):
         w = op @ v
         eigenvalue = torch.dot(v, w)
-        converged = torch.linalg.vector_norm(w - eigenvalue * v) <= tol * eigenvalue.abs()
-        if converged or step == max_iter - 1:
+        residual = torch.linalg.vector_norm(w - eigenvalue * v)
+        if residual <= tol * eigenvalue.abs():
+            break
+        if step == max_iter - 1:
+            warnings.warn(
+                f"power_iteration did not converge in {max_iter} products: relative residual "
+                f"{float(residual / eigenvalue.abs()):.3g} > tol {tol}, so {float(eigenvalue):.6g} need not be an "
+                "eigenvalue (the two largest eigenvalues may have equal magnitude); raise max_iter or check A",
+                RuntimeWarning, stacklevel=2,
+            )  # fmt: skip
             break
         v = w / torch.linalg.vector_norm(w)
     return float(eigenvalue), _unflatten(v, op.params)

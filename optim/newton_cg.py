@@ -524,6 +524,8 @@ class NewtonCG(_closure.SecondOrderOptimizer):
             else:
                 slope = float(sum(lr * (gi * xi).sum() for lr, gi, xi in zip(lrs, g, solve.iterates[chosen].x)))
             value, trials = best, 1
+            if slope >= 0:  # not a descent direction: Armijo's test would let f rise (CG from zero never gives one)
+                alpha, value = 0.0, f0
             while value > f0 + ARMIJO_C * alpha * slope:
                 if trials == ARMIJO_TRIALS:
                     alpha = 0.0

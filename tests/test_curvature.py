@@ -811,9 +811,27 @@ def test_power_iteration_finds_a_dominant_negative_eigenvalue() -> None:
 def test_power_iteration_stops_at_max_iter() -> None:
     matrix = torch.diag(torch.tensor([2.0, 1.9, 0.1], dtype=DTYPE))
     op = DenseOperator(matrix, [torch.zeros(3, dtype=DTYPE)])
-    eigenvalue, (vector,) = power_iteration(op, max_iter=3, tol=0.0, generator=torch.Generator().manual_seed(0))
+    with pytest.warns(RuntimeWarning, match=r"power_iteration did not converge in 3 products: relative residual"):
+        eigenvalue, (vector,) = power_iteration(op, max_iter=3, tol=0.0, generator=torch.Generator().manual_seed(0))
     assert len(op.seen) == 3
     assert eigenvalue == pytest.approx(float(vector @ matrix @ vector), rel=1e-12)
+
+
+def test_power_iteration_says_when_it_returns_no_eigenvalue() -> None:
+    """A saddle's eigenvalues +2 and -2 have one magnitude: the iteration does not converge, and it returned a
+    Rayleigh quotient of 1.86 (residual 0.74) as if it were the top eigenvalue; now with a RuntimeWarning."""
+    op = DenseOperator(torch.diag(torch.tensor([2.0, -2.0], dtype=DTYPE)), [torch.zeros(2, dtype=DTYPE)])
+    with pytest.warns(RuntimeWarning, match="need not be an eigenvalue"):
+        power_iteration(op, max_iter=50, generator=torch.Generator().manual_seed(0))
+
+
+def test_to_scipy_keeps_each_parameters_dtype() -> None:
+    """The float64 input was cast to the first parameter's dtype (float32) for every block: 2 + 1e-10 became 2."""
+    params = [torch.zeros(1, dtype=torch.float32), torch.zeros(2, dtype=DTYPE)]
+    op = DenseOperator(torch.diag(torch.tensor([2.0, 3.0, 3.0], dtype=DTYPE)), params)
+    op.matvec = lambda vec: (2 * vec[0], 3 * vec[1])
+    got = op.to_scipy().matvec(np.array([1.0, 1.0 + 1e-10, 1.0]))
+    np.testing.assert_array_equal(got, np.array([2.0, 3.0 * (1.0 + 1e-10), 3.0]))
 
 
 # --- SciPy export ------------------------------------------------------------------------------------

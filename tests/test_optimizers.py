@@ -75,11 +75,30 @@ def test_cg_warm_start_saved_iterates_and_progress_rule(gen):
 def test_cg_negative_curvature_and_breakdown(gen):
     a = torch.diag(torch.tensor([2.0, -1.0, 3.0], dtype=DTYPE))
     b = torch.tensor([1.0, 1.0, 1.0], dtype=DTYPE)
-    result = cg(lambda v: (a @ v[0],), (b,), max_iter=10)
-    assert result.status == "negative_curvature" and result.iterations == 1
-    assert result.objective < 0, "the first negative-curvature step still decreases phi"
+    calls = []
+    result = cg(lambda v: calls.append(1) or (a @ v[0],), (b,), max_iter=10)
+    # two products: the first step's, and the one that found p^T A p <= 0 (it was not counted)
+    assert result.status == "negative_curvature" and result.iterations == len(calls) == 2
+    assert result.iterates[-1].iteration == 1 and result.objective < 0, "the first step still decreases phi"
     nan = cg(lambda v: (v[0] * math.nan,), (b,), max_iter=10)
-    assert nan.status == "breakdown" and not nan.x[0].any()
+    assert nan.status == "breakdown" and not nan.x[0].any() and nan.iterations == 1
+
+
+def test_cg_refuses_an_uphill_warm_start_and_reports_convergence_on_its_last_iteration(gen):
+    """A warm start with phi(x0) <= 0 but b^T x0 < 0 (possible under negative curvature) was kept, and CG returned a
+    step uphill for b = -g (NewtonCG's Armijo test then let the loss rise); it now restarts from zero. CG that
+    converged on its last allowed iteration reported max_iter. save_at 0 keeps the start."""
+    a = torch.diag(torch.tensor([2.0, -4.0], dtype=DTYPE))
+    b = torch.tensor([1.0, 0.1], dtype=DTYPE)
+    x0 = (torch.tensor([0.0, -1.0], dtype=DTYPE),)  # phi(x0) = -2 + 0.1 < 0, b^T x0 = -0.1 < 0
+    result = cg(lambda v: (a @ v[0],), (b,), x0, max_iter=5, save_at={0})
+    assert result.iterates[0].iteration == 0 and result.iterates[0].bx == 0.0, "started from zero"
+    assert all(it.bx > 0 for it in result.iterates[1:]) and float(b @ result.x[0]) > 0
+    spd_diag = torch.diag(torch.tensor([1.0, 2.0, 3.0], dtype=DTYPE))
+    ones = torch.ones(3, dtype=DTYPE)
+    for max_iter in (3, 4):
+        solved = cg(lambda v: (spd_diag @ v[0],), (ones,), max_iter=max_iter, tol=1e-12)
+        assert solved.status == "converged" and solved.iterations == 3, (max_iter, solved.status)
 
 
 # -------------------------------------------------------------------------------------- NewtonCG
