@@ -260,6 +260,7 @@ class _Patch:
 
     @classmethod
     def stack(cls) -> list:
+        """This thread's open patches, innermost last."""
         if not hasattr(cls.local, "stack"):
             cls.local.stack = []
         return cls.local.stack
@@ -309,5 +310,5 @@ class patch_sdpa(contextlib.ContextDecorator):
             if _Patch.open_count == 0:
                 if F.scaled_dot_product_attention is _patched_sdpa:  # unless someone replaced it meanwhile
                     F.scaled_dot_product_attention = _Patch.original
-                _Patch.original = None
+                # _Patch.original stays: a thread that looked the patch up just before may still call through it
         return False
