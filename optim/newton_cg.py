@@ -184,8 +184,8 @@ class NewtonCG(_closure.SecondOrderOptimizer):
             ``loss_hessian`` in the closure's dict overrides it for that batch.
         generator: Source of Hutchinson probes (the global one if ``None``; in distributed mode, a
             generator seeded alike on every rank: a refresh checks that it is, and raises if not).
-            Distributed, Bartlett's labels come from a generator of their own, seeded from one draw of
-            it plus the rank (each rank's rows need independent labels).
+            Distributed, each refresh's Bartlett labels come from a generator seeded with one draw of it
+            plus the rank (each rank's rows need independent labels).
         distributed: ``True`` (the default process group) or a ``torch.distributed`` process group:
             average over its ranks as above. ``False``: one process.
     """
@@ -257,18 +257,9 @@ class NewtonCG(_closure.SecondOrderOptimizer):
         self.module, self.lean_tangents = module, lean_tangents
         self.loss_hessian = loss_hessian
         self.group = _dist.resolve(distributed, "NewtonCG")
-        device = self.param_groups[0]["params"][0].device
         if generator is None and self.group is not None:
-            generator = _dist.shared_generator(device, self.group)
+            generator = _dist.shared_generator(self.param_groups[0]["params"][0].device, self.group)
         self.generator = generator
-        # Bartlett's labels must be independent across ranks' rows (alike draws would correlate the rows of
-        # different ranks and bias the diagonal): a generator of their own, seeded from a shared draw plus the rank
-        self._label_generator = generator
-        if self.group is not None and preconditioner == "bartlett":
-            seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
-            self._label_generator = torch.Generator(device=generator.device).manual_seed(
-                seed + dist.get_rank(self.group)
-            )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; it may set its own ``lr`` and ``weight_decay``, but must share the other settings."""
@@ -458,6 +449,16 @@ class NewtonCG(_closure.SecondOrderOptimizer):
         scale = tuple((d + damping) ** settings["precond_exponent"] for d in diagonal)
         return (lambda r: tuple(torch._foreach_div(list(r), list(scale)))), diagonal
 
+    def _label_generator(self) -> torch.Generator | None:
+        """The source of Bartlett's labels: the probe generator in one process; distributed, a generator seeded
+        with one draw of it (alike on every rank, so the state to checkpoint stays the probe generator's) plus the
+        rank, since each rank's rows need independent labels (alike draws correlated the ranks' rows and biased
+        the diagonal)."""
+        if self.group is None:
+            return self.generator
+        seed = int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.generator.device))
+        return torch.Generator(device=self.generator.device).manual_seed(seed + dist.get_rank(self.group))
+
     def _bartlett(self, operator: CurvatureOperator, params: list[Tensor]) -> tuple[Tensor, ...]:
         """The Gauss-Newton-Bartlett diagonal on the outputs of the Gauss-Newton operator (rank average)."""
         local = operator.local if isinstance(operator, _dist.AveragedOperator) else operator
@@ -470,7 +471,7 @@ class NewtonCG(_closure.SecondOrderOptimizer):
         with torch.enable_grad(), _closure.graph_errors("NewtonCG"):
             return gauss_newton_bartlett(
                 local.outputs, hessian.targets, params, ignore_index=hessian.ignore_index,
-                generator=self._label_generator, chunk_elements=hessian.chunk_elements, group=self.group,
+                generator=self._label_generator(), chunk_elements=hessian.chunk_elements, group=self.group,
                 owner="NewtonCG",
             )  # fmt: skip
 
