@@ -132,14 +132,19 @@ def functional(
         ``values -> fn()`` with ``values`` in place of ``params``.
 
     Raises:
-        ValueError: A tensor in ``params`` is not a parameter of ``module`` (here), or the number of
-            values is not that of ``params`` (when called).
+        ValueError: A tensor in ``params`` is not a parameter of ``module`` or is listed twice (here), or
+            the number of values is not that of ``params`` (when called).
     """
     names = {id(p): name for name, p in module.named_parameters()}
     params = tuple(module.parameters()) if params is None else tuple(params)
     missing = [i for i, p in enumerate(params) if id(p) not in names]
     if missing:
         raise ValueError(f"params {missing} are not parameters of the module {type(module).__name__}")
+    first = {}
+    for i, p in enumerate(params):
+        if first.setdefault(id(p), i) != i:  # one name for both: functional_call would keep only the last value
+            raise ValueError(f"params {first[id(p)]} and {i} are the same tensor (a tied weight listed twice): "
+                             "list it once, as module.parameters() does")
     keys = [f"module.{names[id(p)]}" for p in params]
     call = _Call(module, fn)
 

@@ -897,3 +897,15 @@ def test_forward_mode_products_refuse_a_model_with_active_dropout() -> None:
     GGNOperator(outputs, params, CrossEntropyHessian(y), mode="forward").matvec(vec)
     attention = nn.MultiheadAttention(4, 2, dropout=0.1)
     assert active_dropout(nn.Sequential(attention)) == "0" and active_dropout(attention.eval()) is None
+
+
+def test_functional_refuses_a_tied_weight_listed_twice() -> None:
+    """Both entries of a tied weight got one name, and functional_call kept only the last value: forward mode
+    ignored the first entry's direction (hvp block 0.966 in reverse mode, 0 in forward mode; an asymmetric GGN)."""
+    embed = nn.Embedding(5, 3)
+    head = nn.Linear(3, 5, bias=False)
+    head.weight = embed.weight
+    model = nn.Sequential(embed, head)
+    with pytest.raises(ValueError, match=r"params 0 and 1 are the same tensor \(a tied weight listed twice\)"):
+        functional(model, lambda: model(torch.arange(4)), [embed.weight, head.weight])
+    functional(model, lambda: model(torch.arange(4)))  # model.parameters() lists it once
