@@ -59,7 +59,8 @@ class _Sophia(_closure.SecondOrderOptimizer):
     :math:`\max(\rho\, h_t / (1 - \beta_2^{n_t}), \epsilon)`, :math:`n_t` the estimates averaged into :math:`h`
     so far: the EMA started at 0 is then an average of them rather than :math:`(1 - \beta_2^{n_t})` times one, as
     Adam corrects its moments. Without it, in a run of a few hundred refreshes (at :math:`\beta_2 = 0.99`: 0.10 of
-    the estimate after 10, 0.63 after 100) most steps start clipped, i.e. sign steps of size :math:`\eta`. This is the paper's form with :math:`\gamma = \rho`; the released PyTorch code
+    the estimate after 10, 0.63 after 100) most steps start clipped, i.e. sign steps of size :math:`\eta`. This
+    is the paper's form with :math:`\gamma = \rho`; the released PyTorch code
     writes the denominator as :math:`\rho \cdot \text{bs} \cdot h + \epsilon` with :math:`h` an EMA
     of :math:`\hat g \circ \hat g` and ``bs`` the tokens per batch, which equals ours for
     SophiaG because our :math:`\hat h` already carries the factor :math:`B` (so no batch size need be
@@ -508,7 +509,8 @@ class SophiaH(_Sophia):
         if self.mode == "forward":
             raise RuntimeError(
                 f"SophiaH(mode='forward') takes its estimate through a closure, which it runs again with tangents; "
-                f"{what} has only a graph to differentiate in reverse mode: pass opt.step(closure), or use mode='reverse'"
+                f"{what} has only a graph to differentiate in reverse mode: pass opt.step(closure), or use "
+                "mode='reverse'"
             )
 
     def differentiates_twice(self, rows: bool = False) -> bool:

@@ -225,6 +225,21 @@ class SelfAttention(nn.Module):
         return rearrange(o, "b h n d -> b n (h d)") @ self.out
 
 
+def mlp_hidden(d_model: int, kind: str, ratio: float) -> int:
+    """The MLP's hidden width: ``ratio * d_model``, 2/3 of it for ``swiglu`` (as many weights as ``gelu``), rounded.
+
+    Raises:
+        ValueError: ``kind`` is neither, or the width rounds to 0 (an MLP that would always output 0).
+    """
+    if kind not in ("gelu", "swiglu"):
+        raise ValueError(f"mlp must be 'gelu' or 'swiglu', got {kind!r}")
+    hidden = round(ratio * d_model * (2 / 3 if kind == "swiglu" else 1))
+    if hidden < 1:
+        raise ValueError(f"mlp_ratio {ratio} gives the {kind} MLP of d_model {d_model} a hidden width of {hidden}: "
+                         "it would always output 0; use a larger mlp_ratio")
+    return hidden
+
+
 class MLP(nn.Module):
     """``gelu(x W_up) W_down``."""
 
@@ -245,11 +260,7 @@ class Block(nn.Module):
         super().__init__()
         self.norm1, self.norm2 = RMSNorm(d_model), RMSNorm(d_model)
         self.attn = SelfAttention(d_model, n_heads, n_kv_heads, causal, rope_base, attend, out_gain)
-        hidden = round(mlp_ratio * d_model)
-        if hidden < 1:
-            raise ValueError(f"mlp_ratio {mlp_ratio} gives the MLP of d_model {d_model} a hidden width of {hidden}: "
-                             "it would always output 0; use a larger mlp_ratio")
-        self.mlp = MLP(d_model, hidden, out_gain)
+        self.mlp = MLP(d_model, mlp_hidden(d_model, "gelu", mlp_ratio), out_gain)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))

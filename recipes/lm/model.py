@@ -19,7 +19,7 @@ from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from recipes.common.transformer import AttentionFn, AttentionSwitch, RMSNorm, kv_heads, rotate, silu
+from recipes.common.transformer import AttentionFn, AttentionSwitch, RMSNorm, kv_heads, mlp_hidden, rotate, silu
 
 
 def make_norm(kind: str, dim: int) -> nn.Module:
@@ -50,21 +50,6 @@ class CausalSelfAttention(nn.Module):
         q, k = rotate(q, self.rope_base), rotate(k, self.rope_base)
         o = self.attend(q, k, v, causal=True)
         return self.dropout(self.out(rearrange(o, "b h n d -> b n (h d)")))
-
-
-def mlp_hidden(d_model: int, kind: str, ratio: float) -> int:
-    """The MLP's hidden width: ``ratio * d_model``, 2/3 of it for ``swiglu`` (as many weights as ``gelu``), rounded.
-
-    Raises:
-        ValueError: ``kind`` is neither, or the width rounds to 0 (an MLP that would always output 0).
-    """
-    if kind not in ("gelu", "swiglu"):
-        raise ValueError(f"mlp must be 'gelu' or 'swiglu', got {kind!r}")
-    hidden = round(ratio * d_model * (2 / 3 if kind == "swiglu" else 1))
-    if hidden < 1:
-        raise ValueError(f"mlp_ratio {ratio} gives the {kind} MLP of d_model {d_model} a hidden width of {hidden}: "
-                         "it would always output 0; use a larger mlp_ratio")
-    return hidden
 
 
 class MLP(nn.Module):

@@ -40,9 +40,9 @@ from recipes.common import config as configs
 from recipes.common.config import ConfigError
 from recipes.common.schedule import build_scheduler
 from recipes.common.training import Autocast, Recipe, StepResult
-from recipes.common.transformer import ATTENTION, FIRST_ORDER_ATTENTION
+from recipes.common.transformer import ATTENTION, FIRST_ORDER_ATTENTION, mlp_hidden
 from recipes.lm import optimizers
-from recipes.lm.model import GPT, cross_entropy, mlp_hidden
+from recipes.lm.model import GPT, cross_entropy
 
 
 @dataclass
