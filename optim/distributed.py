@@ -117,7 +117,7 @@ def shared_generator(device: torch.device, group: Group, *, per_rank: bool = Fal
 
 
 def check_alike(generator: torch.Generator | None, device: torch.device, group: Group, owner: str) -> None:
-    """Raise ``RuntimeError`` unless ``generator`` is in the same state on every rank of ``group``.
+    r"""Raise ``RuntimeError`` unless ``generator`` is in the same state on every rank of ``group``.
 
     Probes that must agree across ranks (Hutchinson's: the rank average of :math:`u \circ H_r u` is the
     whole batch's estimate only for one :math:`u`) come from such a generator; one seeded differently per

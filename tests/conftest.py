@@ -17,6 +17,19 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else 
 os.environ.setdefault("FLASHBOB_CACHE_DIR", tempfile.mkdtemp(prefix="flashbob-test-tuning-"))
 
 import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+TORCH_SDPA = F.scaled_dot_product_attention
+
+
+@pytest.fixture(autouse=True)
+def sdpa_left_as_found():
+    """A test that leaves ``F.scaled_dot_product_attention`` patched fails itself, and torch's function is put
+    back, so the tests after it in the same process do not fail for it."""
+    yield
+    if F.scaled_dot_product_attention is not TORCH_SDPA:
+        F.scaled_dot_product_attention = TORCH_SDPA
+        pytest.fail("the test left F.scaled_dot_product_attention patched")
 
 
 @pytest.fixture
