@@ -117,7 +117,8 @@ def tuned_entries(bucket: int) -> dict:
     """The picks tuned in this process for length ``bucket``, as table entries."""
     from flashbob.kernels import configs, tuning
 
-    return {tuning.Key.from_json(row): tuple(row["config"].values()) for row in configs.tuned_configs()
+    return {tuning.Key.from_json(row): configs.config_tuple(configs.BlockConfig(**row["config"]))
+            for row in configs.tuned_configs()
             if row["source"] == "tuned" and row["bucket"] == bucket}
 
 

@@ -388,3 +388,110 @@ def test_tuned_launches_give_the_reference_results(folders, monkeypatch, gen):
     grads = reference.attention_backward(*(x.double() for x in (q, k, v, do)), causal=True, scale=0.25)
     for name, actual, wanted in zip(("o", "dq", "dk", "dv"), (o, dq, dk, dv), (expected, *grads)):
         assert_matches(actual, wanted, exact_tolerance(actual), name)
+
+
+# ----------------------------------------------------------------------------- tables written, unreadable caches, rejected configs
+
+
+def test_tune_table_entries_load_back(folders):
+    """benchmarks/tune_table.py's entries (the picks of tuned_configs, whose configs carry variant=None) make a
+    table that loads: no `null` variant in the file (it made every launch on that GPU raise 'malformed')."""
+    from benchmarks import tune_table
+
+    key = key_at(4096)
+    space = space_of(key)
+    clock = FakeClock(space, fastest=2)
+    with tuning.timed_by(clock):
+        configs._PICKS[(key, GPU, "on")] = configs.pick(key, space, GPU, "on", clock.run)
+    entries = tune_table.tuned_entries(4096)
+    tuning.write_table(tuning.table_path(GPU), GPU, entries)
+    assert tuning.load_table(tuning.table_path(GPU)) == {key: configs.config_tuple(space[2])}
+    with pytest.raises(ValueError):  # write_table refuses what load_table would reject
+        tuning.write_table(tuning.table_path(GPU), GPU, {key: (64, 64, 4, 2, None)})
+
+
+def test_cache_entry_that_is_no_candidate_warns(folders):
+    key = key_at(4096)
+    space = space_of(key)
+    tuning.write_cache(GPU, key, (256, 256, 8, 3), {})  # not a candidate: never launched
+    with pytest.warns(RuntimeWarning, match="is not a candidate"):
+        assert configs.pick(key, space, GPU, "off", None) == configs.Pick(space[0], "default")
+
+
+def test_cache_folder_that_cannot_be_searched_warns(folders, monkeypatch):
+    """A cache path whose stat fails with EACCES (another user's 0700 folder) is ignored with a warning, not raised
+    from the launch (Path.exists raises PermissionError there)."""
+    key = key_at(4096)
+    tuning.write_cache(GPU, key, configs.config_tuple(space_of(key)[1]), {})
+    real = Path.read_text
+
+    def denied(self, *args, **kwargs):
+        if self == tuning.cache_path(GPU, key):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *args, **kwargs)
+
+    def stat_denied(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    monkeypatch.setattr(Path, "exists", stat_denied)
+    with pytest.warns(RuntimeWarning, match="ignoring the unreadable tuning cache file"):
+        assert tuning.read_cache(GPU, key) is None
+
+
+def test_cache_files_follow_the_umask(folders):
+    import os
+    import stat
+
+    key = key_at(4096)
+    old = os.umask(0o022)
+    try:
+        tuning._umask.cache_clear()
+        tuning.write_cache(GPU, key, configs.config_tuple(space_of(key)[0]), {})
+    finally:
+        os.umask(old)
+        tuning._umask.cache_clear()
+    assert stat.S_IMODE(tuning.cache_path(GPU, key).stat().st_mode) == 0o644
+
+
+def test_cache_dir_expands_the_home_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("FLASHBOB_CACHE_DIR", "~/fb")
+    assert tuning.cache_root() == tmp_path / "fb"
+
+
+def test_malformed_bucket_and_deep_json(folders):
+    path = tuning.table_path(GPU)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"entries": [{**key_at(4096).to_json(), "bucket": 0, "config": [64, 64, 4, 2]}]}))
+    with pytest.raises(ValueError, match="malformed"):
+        tuning.load_table(path)
+    key = key_at(4096)
+    tuning.cache_path(GPU, key).parent.mkdir(parents=True)
+    tuning.cache_path(GPU, key).write_text("[" * 100000)
+    with pytest.warns(RuntimeWarning, match="unreadable"):
+        assert tuning.read_cache(GPU, key) is None
+
+
+@pytest.mark.parametrize("error", ["ptxas", "assert"])
+def test_launch_falls_back_on_every_compiler_rejection(monkeypatch, error):
+    """A picked config (e.g. from a table tuned with another Triton) that ptxas or a static assert rejects gives way
+    to the next candidate, as an out-of-resources one does (the tuner skips all three)."""
+    from triton.compiler.errors import CompileTimeAssertionFailure
+    from triton.runtime.errors import PTXASError
+
+    monkeypatch.setenv("FLASHBOB_AUTOTUNE", "0")
+    monkeypatch.setattr(configs, "_PICKS", {})
+    tried = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def run(*args, BLOCK_M, BLOCK_N, num_warps, num_stages, **constants):
+                tried.append(configs.BlockConfig(BLOCK_M, BLOCK_N, num_warps, num_stages))
+                if len(tried) == 1:
+                    raise PTXASError("ptxas failed") if error == "ptxas" else CompileTimeAssertionFailure(None, None, "x")
+            return run
+
+    configs.launch("bob_q_bar", Kernel(), (1,), head_dim=128, dtype=torch.float16, length=4096, HEAD_DIM=128)
+    space = configs.candidates("bob_q_bar", 128, torch.float16, 4096)
+    assert tried == list(space[:2])

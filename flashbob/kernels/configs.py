@@ -37,13 +37,13 @@ import dataclasses
 import functools
 import json
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 import triton
 from triton.runtime import _allocation
-from triton.runtime.errors import OutOfResources
 
 from . import tuning
 
@@ -215,6 +215,9 @@ def pick(key: tuning.Key, space: tuple[BlockConfig, ...], gpu: str | None, mode:
         cached = tuning.read_cache(gpu, key)
         if cached in allowed:
             return Pick(BlockConfig(*cached), "cache")
+        if cached is not None:
+            warnings.warn(f"flashbob: ignoring the tuning cache file {tuning.cache_path(gpu, key)}: its configuration "
+                          f"{list(cached)} is not a candidate of {key.describe()}", RuntimeWarning, stacklevel=2)
         listed = tuning.lookup(tuning.load_table(tuning.table_path(gpu)), key, allowed)
         if listed is not None:
             return Pick(BlockConfig(*listed), "table")
@@ -257,7 +260,7 @@ def _launch(kernel: str, jit_fn, grid, args: tuple, head_dim: int, dtype: torch.
     for config in _fallback_order(chosen.config, space):
         try:
             run(config)
-        except OutOfResources as error:
+        except tuning.REJECTED as error:  # the ones the tuner skips too (a table tuned with another Triton)
             rejected = error
             continue
         if config != chosen.config:  # remembered, so that the rejected one is not compiled again

@@ -90,8 +90,11 @@ class Key:
         flags = entry["flags"]
         if not isinstance(flags, dict):
             raise TypeError(f"flags must be an object, got {flags!r}")
-        return cls(str(entry["kernel"]), int(entry["head_dim"]), str(entry["dtype"]), int(entry["bucket"]),
-                   tuple(sorted(flags.items())))
+        key = cls(str(entry["kernel"]), int(entry["head_dim"]), str(entry["dtype"]), int(entry["bucket"]),
+                  tuple(sorted(flags.items())))
+        if key.head_dim < 1 or key.bucket < 1:
+            raise ValueError(f"head_dim and bucket must be positive, got {key.head_dim} and {key.bucket}")
+        return key
 
 
 def bucket(length: int) -> int:
@@ -126,7 +129,7 @@ def load_table(path: Path) -> dict[Key, Config]:
         return {}
     try:
         return {Key.from_json(entry): _config(entry["config"]) for entry in json.loads(path.read_text())["entries"]}
-    except (OSError, KeyError, TypeError, ValueError) as error:
+    except (OSError, KeyError, TypeError, ValueError, RecursionError) as error:
         raise ValueError(f"the tuned table {path} is malformed: {error!r}") from error
 
 
@@ -149,8 +152,8 @@ def lookup(table: dict[Key, Config], key: Key, allowed: Sequence[Config]) -> Con
 def write_table(path: Path, gpu: str, entries: dict[Key, Config], **metadata: Any) -> None:
     """Write a table for ``gpu``: ``metadata`` (e.g. the Triton version, the shapes tuned) and one entry per
     line, sorted, atomically (:func:`write_json`)."""
-    lines = [json.dumps({**key.to_json(), "config": list(config)}) for key, config in
-             sorted(entries.items(), key=lambda item: item[0].sort_key())]
+    lines = [json.dumps({**key.to_json(), "config": list(_config(list(config)))}) for key, config in
+             sorted(entries.items(), key=lambda item: item[0].sort_key())]  # _config: never write what cannot load
     header = "".join(f" {json.dumps(name)}: {json.dumps(value)},\n" for name, value in {"gpu": gpu, **metadata}.items())
     write_json(path, "{\n" + header + ' "entries": [\n  ' + ",\n  ".join(lines) + "\n ]\n}\n")
     load_table.cache_clear()
@@ -162,7 +165,7 @@ def write_table(path: Path, gpu: str, entries: dict[Key, Config], **metadata: An
 def cache_root() -> Path:
     """``$FLASHBOB_CACHE_DIR``, else ``$XDG_CACHE_HOME/flashbob``, else ``~/.cache/flashbob``."""
     if os.environ.get("FLASHBOB_CACHE_DIR"):
-        return Path(os.environ["FLASHBOB_CACHE_DIR"])
+        return Path(os.environ["FLASHBOB_CACHE_DIR"]).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flashbob"
 
 
@@ -177,14 +180,14 @@ def read_cache(gpu: str, key: Key) -> Config | None:
     """The cached configuration of ``key``, or None: none cached, or a file that cannot be read or holds
     another key (then with a warning; the key is tuned again and the file rewritten)."""
     path = cache_path(gpu, key)
-    if not path.exists():
-        return None
-    try:
+    try:  # Path.exists() raises PermissionError for a folder that cannot be searched: read, and catch
         entry = json.loads(path.read_text())
         if Key.from_json(entry["key"]) != key:
             raise ValueError(f"it holds another key, {entry['key']}")
         return _config(entry["config"])
-    except (OSError, KeyError, TypeError, ValueError) as error:  # JSONDecodeError is a ValueError
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, KeyError, TypeError, ValueError, RecursionError) as error:  # JSONDecodeError: a ValueError
         warnings.warn(f"flashbob: ignoring the unreadable tuning cache file {path} ({error}); the kernel is "
                       "tuned again and the file rewritten", RuntimeWarning, stacklevel=2)
         return None
@@ -200,7 +203,7 @@ def write_cache(gpu: str, key: Key, config: Config, timings: dict[Config, float]
         write_json(path, json.dumps(entry, indent=1) + "\n")
     except OSError as error:
         warnings.warn(f"flashbob: cannot write the tuning cache file {path} ({error}); the pick holds for this "
-                      "process only", RuntimeWarning, stacklevel=2)
+                      "process only (set FLASHBOB_CACHE_DIR to a writable folder)", RuntimeWarning, stacklevel=2)
 
 
 def write_json(path: Path, text: str) -> None:
@@ -211,10 +214,19 @@ def write_json(path: Path, text: str) -> None:
         file.flush()
         os.fsync(file.fileno())
     try:
+        os.chmod(file.name, 0o666 & ~_umask())  # mkstemp's 0600 would hide a shared cache from its other users
         os.replace(file.name, path)
     except OSError:
         os.unlink(file.name)
         raise
+
+
+@functools.cache
+def _umask() -> int:
+    """The process's umask (read once: setting it is the only way to read it)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 # ----------------------------------------------------------------------------- tuner
