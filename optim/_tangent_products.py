@@ -23,9 +23,19 @@ import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import Tensor
+from torch._C._functorch import peek_interpreter_stack
 from torch.overrides import TorchFunctionMode
 
 _MATMULS = {torch.matmul, Tensor.matmul, Tensor.__matmul__}
+#: ``__torch_function__`` of tensors whose ``F.linear`` and ``matmul`` are PyTorch's (plain tensors, parameters)
+_DEFAULT_TORCH_FUNCTIONS = (Tensor.__torch_function__.__func__, torch._C._disabled_torch_function_impl)
+
+
+def _plain(x: object) -> bool:
+    """Whether ``x`` is no tensor, or one whose type leaves ``__torch_function__`` to PyTorch: a subclass that overrides
+    it (say to compute ``F.linear`` its own way) must see every product of the tangent, which ``addmm_`` would skip."""
+    function = getattr(type(x), "__torch_function__", None)
+    return not isinstance(x, Tensor) or getattr(function, "__func__", function) in _DEFAULT_TORCH_FUNCTIONS
 
 
 def _split(x: object) -> tuple[object, Tensor | None]:
@@ -43,6 +53,8 @@ def _product_tangent(first: Tensor | None, a: Tensor, b_tangent: Tensor | None, 
         return first
     if first is None:
         return product(a, b_tangent)
+    if first.numel() == 0 or a.shape[-1] == 0:  # an empty result, or an empty sum: a dB is nothing or zero
+        return first
     first = first.contiguous()
     rows = first.view(-1, first.shape[-1])
     right = b_tangent if product is torch.matmul else b_tangent.t()
@@ -73,7 +85,7 @@ class LeanLinearTangents(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() and (func is F.linear or func in _MATMULS) and _lean_applies(args, kwargs):
             if func is F.linear and len(args) >= 2 and all(isinstance(x, Tensor) for x in args[:2]):
                 if args[1].dim() == 2 and set(kwargs) <= {"bias"}:
                     return _linear(*args, **kwargs)
@@ -81,3 +93,10 @@ class LeanLinearTangents(TorchFunctionMode):
                 if args[1].dim() == 2 and args[0].dim() >= 2:
                     return _matmul(*args)
         return func(*args, **kwargs)
+
+
+def _lean_applies(args: tuple, kwargs: dict) -> bool:
+    """Whether the lean rules may run: outside torch.func transforms (under ``vmap`` over tangents one operand may
+    be batched and the buffer not, which an in-place sum cannot hold) and on operands that leave their products to
+    PyTorch (:func:`_plain`). Elsewhere PyTorch's rules apply."""
+    return peek_interpreter_stack() is None and all(_plain(x) for x in (*args, *kwargs.values()))

@@ -116,3 +116,42 @@ def test_linear_tangent_under_autocast_has_the_value_dtype(gen):
     assert got[0].dtype == got[1].dtype == expected[1].dtype == torch.bfloat16
     torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
     torch.testing.assert_close(got[1].float(), expected[1].float(), rtol=2e-2, atol=5e-2)
+
+
+class TripledLinear(torch.Tensor):
+    """A weight whose ``F.linear`` is its own (three times PyTorch's): its tangent must go through it too."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is F.linear:
+            with torch._C.DisableTorchFunctionSubclass():
+                return F.linear(args[0], 3 * args[1], *args[2:], **(kwargs or {}))
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def test_subclass_with_its_own_product_keeps_it_for_the_tangent(gen):
+    """Both tangents on: the lean rule's addmm_ would add x dW^T past the subclass's F.linear (a wrong tangent)."""
+    primals = [torch.randn(4, 7, generator=gen, dtype=DTYPE), torch.randn(5, 7, generator=gen, dtype=DTYPE)]
+    tangents = [torch.randn_like(p) for p in primals]
+    assert_same(lambda x, w: F.linear(x, w.as_subclass(TripledLinear)), primals, tangents, lean_sums=None,
+                rtol=1e-12, atol=1e-13)  # fmt: skip
+
+
+def test_vmap_over_one_operands_tangent_runs_pytorchs_rules(gen):
+    """Under torch.func.vmap the first term may be unbatched and the second batched: no in-place sum (it raised)."""
+    x, w, b = (torch.randn(s, generator=gen, dtype=DTYPE) for s in ((3, 4), (4, 5), (5,)))
+    x_dot, b_dots, w_dots = torch.randn_like(x), torch.randn(2, 5, dtype=DTYPE), torch.randn(2, 4, 5, dtype=DTYPE)
+    cases = [(lambda t: torch.func.jvp(torch.matmul, (x, w), (x_dot, t))[1], w_dots),
+             (lambda t: torch.func.jvp(F.linear, (x, w.t(), b), (x_dot, torch.zeros_like(w.t()), t))[1], b_dots)]
+    for fn, batch in cases:
+        with torch.no_grad():
+            expected = torch.func.vmap(fn)(batch)
+            with LeanLinearTangents():
+                got = torch.func.vmap(fn)(batch)
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("shapes", [[(4, 7), (0, 7)], [(4, 0), (5, 0)], [(0, 7), (5, 7)]])
+def test_linear_tangents_with_an_empty_dimension(gen, shapes):
+    primals = [torch.randn(s, generator=gen, dtype=DTYPE) for s in shapes]
+    assert_same(F.linear, primals, [torch.randn_like(p) for p in primals], lean_sums=None, rtol=0, atol=0)
