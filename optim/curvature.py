@@ -14,6 +14,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 from torch.func import functional_call
+from torch.utils._pytree import tree_leaves
 
 from optim._tangent_products import LeanLinearTangents
 
@@ -147,14 +148,46 @@ def functional(
                              "list it once, as module.parameters() does")
     keys = [f"module.{names[id(p)]}" for p in params]
     call = _Call(module, fn)
+    checked = []
 
     def run(values: Tensors) -> Result:
         if len(values) != len(keys):
             raise ValueError(f"expected {len(keys)} values, one per parameter, got {len(values)}")
-        return functional_call(call, dict(zip(keys, values)), ())
+        result = functional_call(call, dict(zip(keys, values)), ())
+        replaced = [p for p, value in zip(params, values) if value is not p]
+        if replaced and not checked:  # once: a walk of the graph costs host time
+            checked.append(True)
+            captured = _reached_leaves(result, replaced)
+            if captured:
+                raise RuntimeError(
+                    f"functional({type(module).__name__}, fn): fn's result depends on the parameter tensors themselves "
+                    f"({', '.join(names[id(p)] for p in captured)}), not only through the module: fn runs with the "
+                    "module's parameters replaced by the values it is given (e.g. copies that carry forward-mode "
+                    "tangents), so a tensor fn captured before (w = model.weight; lambda: f(x @ w)) would stay "
+                    "constant and its derivatives would be silently zero; reach the parameters through the module "
+                    "inside fn (model.weight, or call the model)"
+                )
+        return result
 
     run.module = module  # for the products that must see one deterministic function (active_dropout)
     return run
+
+
+def _reached_leaves(result: Result, leaves: Sequence[Tensor]) -> list[Tensor]:
+    """The tensors of ``leaves`` into which the autograd graph of any tensor in ``result`` accumulates a gradient
+    (nothing to find where ``result`` has no graph, e.g. a forward-mode pass without gradients)."""
+    wanted, found, seen = {id(leaf): leaf for leaf in leaves}, {}, set()
+    stack = [t.grad_fn for t in tree_leaves(result) if isinstance(t, Tensor) and t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
+        if variable is not None and id(variable) in wanted:
+            found[id(variable)] = variable
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return list(found.values())
 
 
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)

@@ -73,7 +73,9 @@ class _Sophia(_closure.SecondOrderOptimizer):
     Every hyperparameter may differ between parameter groups, ``update_period`` included: a
     group with period :math:`k` refreshes its :math:`h` at the steps :math:`t` with
     :math:`t \bmod k = 1`. A step on which any group is due computes :math:`\hat h` for all
-    parameters (one estimate, as with a single group) and refreshes the groups that are due.
+    parameters (one estimate, as with a single group) and refreshes the groups that are due. A parameter
+    without :math:`h` yet (in a group added, or a parameter unfrozen, after the first step) is due on its
+    first step whatever its group's schedule.
 
     A step is skipped with a ``RuntimeWarning`` (parameters and state unchanged,
     ``step_skipped = 1``) when the loss, the gradient or :math:`\hat h` is not finite, or when
@@ -168,7 +170,7 @@ class _Sophia(_closure.SecondOrderOptimizer):
         if not params:
             return self._step_without_update(closure)
         count = self._global().get("step", 0)
-        due = self._due(groups)
+        due = self._due(params, groups)
         loss, estimate = None, None
         if closure is not None:
             loss, grads, estimate = self._closure_step(closure, params, groups, any(due))
@@ -232,15 +234,22 @@ class _Sophia(_closure.SecondOrderOptimizer):
             return grads, None
         return grads, self._diagonal(functools.partial(closure, rows), params, groups)
 
-    def _due(self, groups: list[dict[str, Any]]) -> list[bool]:
-        """For each group, whether the next step refreshes its :math:`h` (not if :meth:`update_hessian` just did)."""
+    def _due(self, params: list[Tensor], groups: list[dict[str, Any]]) -> list[bool]:
+        """For each parameter, whether the next step refreshes its :math:`h` (not if :meth:`update_hessian` just did):
+        on its group's schedule, or because it has no :math:`h` yet (a group added, or a parameter unfrozen, after
+        the first step), so that it does not take clipped sign steps on :math:`h = 0` until its group's next refresh.
+        """
         count = self._global().get("step", 0)
-        return [not self._refresh_requested and count % group["update_period"] == 0 for group in groups]
+        return [
+            not self._refresh_requested
+            and (count % group["update_period"] == 0 or "hessian" not in self.state.get(p, {}))
+            for p, group in zip(params, groups)
+        ]
 
     @property
     def refreshes_next_step(self) -> bool:
         """Whether the next step refreshes :math:`h` (of any group), taking a curvature estimate through the closure."""
-        return any(self._due(self._trainable()[1]))
+        return any(self._due(*self._trainable()))
 
     def differentiates_twice(self, rows: bool = False) -> bool:
         """Whether the next step differentiates ``closure()`` (``rows`` false) or ``closure(rows)`` twice: the
@@ -304,24 +313,27 @@ class _Sophia(_closure.SecondOrderOptimizer):
             for collected, part in ((update.order, mine), (update.params, new), (update.m, m), (update.h, h),
                                     (steps, step), (update.refreshes, refreshes)):  # fmt: skip
                 collected += part
-            update.refreshed += h if fresh[0] is not None else []
+            update.refreshed += [hi for hi, e in zip(h, fresh) if e is not None]
         update.unclipped = torch.cat([step.reshape(-1) for step in steps]).abs_().lt(1).sum()
         return update
 
     def _propose(
         self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], estimate: list[Tensor | None]
     ) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[int]]:
-        """One group's new parameters, :math:`m`, :math:`h` (refreshed if the group is due, i.e. has estimates),
+        """One group's new parameters, :math:`m`, :math:`h` (refreshed where due, i.e. where there is an estimate),
         clipped steps and refresh counts, out of place."""
         beta1, beta2 = group["betas"]
         m = torch._foreach_mul(self._state(params, "exp_avg"), beta1)
         torch._foreach_add_(m, torch._foreach_neg(grads) if group["maximize"] else grads, alpha=1 - beta1)
         h = self._state(params, "hessian")
         refreshes = [self.state[p].get("hessian_refreshes", 0) for p in params]
-        if estimate[0] is not None:
+        if all(e is not None for e in estimate):
             h = torch._foreach_mul(h, beta2)
             torch._foreach_add_(h, estimate, alpha=1 - beta2)
             refreshes = [n + 1 for n in refreshes]
+        elif any(e is not None for e in estimate):  # some parameters of the group have no h yet (see _due)
+            h = [hi if e is None else torch.add(hi * beta2, e, alpha=1 - beta2) for hi, e in zip(h, estimate)]
+            refreshes = [n if e is None else n + 1 for n, e in zip(refreshes, estimate)]
         if group["bias_correction"]:  # rho h / (1 - beta2^n): h is an average of n estimates, not a shrunk one
             step = torch._foreach_mul(h, [group["rho"] / (1 - beta2**n) if n else group["rho"] for n in refreshes])
         else:
@@ -367,7 +379,10 @@ class SophiaH(_Sophia):
 
     In a loop that calls ``backward`` itself, either keep the gradient's graph, as other Sophia-H
     and AdaHessian packages do: on refresh steps :meth:`step` takes :math:`H u` through the graph
-    of ``p.grad`` (the same estimate as the closure's, probe for probe), then detaches ``p.grad``::
+    of ``p.grad`` (the same estimate as the closure's, probe for probe, where the loss uses every parameter:
+    with a closure a trainable parameter the loss does not use gets a zero gradient, so weight decay and
+    momentum still move it and it takes its probe; in this loop, as in ``torch.optim``, a parameter whose
+    ``p.grad`` is ``None`` is skipped), then detaches ``p.grad``::
 
         loss_fn(model(x), y).backward(create_graph=True)   # create_graph needed on refresh steps only
         opt.step()
