@@ -430,7 +430,9 @@ class SophiaH(_Sophia):
             (docs/forward_mode.md). With ``hessian_batch`` ``None`` a refresh step runs no plain pass: the
             loss and gradient are the values of the first probe's pass.
         module: The ``nn.Module`` whose parameters are optimised, for ``mode="forward"`` (run through
-            :func:`~optim.curvature.functional`; deterministic: no dropout).
+            :func:`~optim.curvature.functional`). With dropout each probe's pass draws its own mask, so the
+            estimate is one of the Hessian averaged over masks (each probe is still unbiased for it), and
+            a BatchNorm's running statistics advance once per probe.
         bias_correction: Divide :math:`h` by :math:`1 - \beta_2^{n}` in the update, :math:`n` the refreshes so
             far (see the Sophia class docstring; not in the paper, whose runs are long enough for it not to matter).
     """
