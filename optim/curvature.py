@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 from torch.func import functional_call
-from torch.utils._pytree import tree_leaves
+from torch.overrides import TorchFunctionMode
 
 from optim._tangent_products import LeanLinearTangents
 
@@ -103,9 +104,34 @@ class _Call(nn.Module):
         super().__init__()
         self.module = module
         self.fn = fn
+        self.watch: _ParameterWatch | None = None
 
     def forward(self) -> Result:
-        return self.fn()
+        if self.watch is None:
+            return self.fn()
+        with self.watch:
+            return self.fn()
+
+
+#: Per module, the code objects of the ``fn`` whose first run with replaced values :class:`_ParameterWatch` saw
+_WATCHED: weakref.WeakKeyDictionary[nn.Module, set[object]] = weakref.WeakKeyDictionary()
+
+
+class _ParameterWatch(TorchFunctionMode):
+    """Records which of ``params`` a torch function receives (directly, or in a list or tuple argument)."""
+
+    def __init__(self, params: Sequence[Tensor]) -> None:
+        super().__init__()
+        self.ids = {id(p): p for p in params}
+        self.seen: dict[int, Tensor] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for arg in (*args, *kwargs.values()):
+            for item in arg if isinstance(arg, (list, tuple)) else (arg,):
+                if id(item) in self.ids:
+                    self.seen[id(item)] = item
+        return func(*args, **kwargs)
 
 
 def functional(
@@ -118,7 +144,10 @@ def functional(
     tied, buffers are the module's own) and returns what ``fn`` returns; the module is unchanged
     afterwards. This is the form ``mode="forward"`` needs: it runs the model again with tangents
     attached to the values. ``fn`` must be deterministic (no dropout) for the products to be those of
-    one matrix.
+    one matrix, and must reach the parameters through ``module``: a tensor it captured before
+    (``w = model.weight; lambda: f(x @ w)``) is not replaced, so its derivatives would be zero. The first
+    call with other values, per module and per place in the code that makes ``fn``, runs ``fn`` under a
+    watch (a ``TorchFunctionMode``: host time on every torch call, hence once) that refuses such a tensor.
 
     Example: ``loss = functional(model, lambda: F.cross_entropy(model(x), y))``, then
     ``hvp(loss, list(model.parameters()), vec, mode="forward")``.
@@ -135,6 +164,7 @@ def functional(
     Raises:
         ValueError: A tensor in ``params`` is not a parameter of ``module`` or is listed twice (here), or
             the number of values is not that of ``params`` (when called).
+        RuntimeError: ``fn`` uses a tensor of ``params`` itself, not through ``module`` (when called, above).
     """
     names = {id(p): name for name, p in module.named_parameters()}
     params = tuple(module.parameters()) if params is None else tuple(params)
@@ -148,46 +178,33 @@ def functional(
                              "list it once, as module.parameters() does")
     keys = [f"module.{names[id(p)]}" for p in params]
     call = _Call(module, fn)
-    checked = []
+    site = getattr(fn, "__code__", type(fn))  # the watch runs once per module and place in the code that makes fn
 
     def run(values: Tensors) -> Result:
         if len(values) != len(keys):
             raise ValueError(f"expected {len(keys)} values, one per parameter, got {len(values)}")
-        result = functional_call(call, dict(zip(keys, values)), ())
         replaced = [p for p, value in zip(params, values) if value is not p]
-        if replaced and not checked:  # once: a walk of the graph costs host time
-            checked.append(True)
-            captured = _reached_leaves(result, replaced)
-            if captured:
-                raise RuntimeError(
-                    f"functional({type(module).__name__}, fn): fn's result depends on the parameter tensors themselves "
-                    f"({', '.join(names[id(p)] for p in captured)}), not only through the module: fn runs with the "
-                    "module's parameters replaced by the values it is given (e.g. copies that carry forward-mode "
-                    "tangents), so a tensor fn captured before (w = model.weight; lambda: f(x @ w)) would stay "
-                    "constant and its derivatives would be silently zero; reach the parameters through the module "
-                    "inside fn (model.weight, or call the model)"
-                )
+        if not replaced or site in _WATCHED.get(module, ()):
+            return functional_call(call, dict(zip(keys, values)), ())
+        call.watch = _ParameterWatch(replaced)  # a mode: host time on every torch call, hence once
+        try:
+            result = functional_call(call, dict(zip(keys, values)), ())
+        finally:
+            seen, call.watch = call.watch.seen, None
+        if seen:
+            raise RuntimeError(
+                f"functional({type(module).__name__}, fn): fn uses the parameter tensors themselves "
+                f"({', '.join(names[id(p)] for p in seen.values())}), not through the module: fn runs with the "
+                "module's parameters replaced by the values it is given (e.g. copies that carry forward-mode "
+                "tangents), so a tensor fn captured before (w = model.weight; lambda: f(x @ w)) would stay "
+                "constant and its derivatives would be silently zero; reach the parameters through the module "
+                "inside fn (model.weight, or call the model)"
+            )
+        _WATCHED.setdefault(module, set()).add(site)
         return result
 
     run.module = module  # for the products that must see one deterministic function (active_dropout)
     return run
-
-
-def _reached_leaves(result: Result, leaves: Sequence[Tensor]) -> list[Tensor]:
-    """The tensors of ``leaves`` into which the autograd graph of any tensor in ``result`` accumulates a gradient
-    (nothing to find where ``result`` has no graph, e.g. a forward-mode pass without gradients)."""
-    wanted, found, seen = {id(leaf): leaf for leaf in leaves}, {}, set()
-    stack = [t.grad_fn for t in tree_leaves(result) if isinstance(t, Tensor) and t.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
-        if variable is not None and id(variable) in wanted:
-            found[id(variable)] = variable
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return list(found.values())
 
 
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
