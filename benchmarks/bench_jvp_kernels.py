@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from benchmarks import timing
 from benchmarks.results import write_rows
 from benchmarks.timing import median_ms, wall_median_ms
 from flashbob import kernels, reference
@@ -127,8 +128,10 @@ def eager_workload(workload, x, *, causal, scale):
     return lambda: torch.func.jvp(backward, primals, tangents)[1]  # backward_jvp and backward_jvp_for
 
 
-def tflops(workload, ms, *, heads, n, head_dim, causal) -> float:
-    return FLOPS_PER_NMD[workload] * n * n * head_dim * heads * (0.5 if causal else 1.0) / (ms * 1e-3) / 1e12
+def tflops(workload, ms, *, heads, n, head_dim, causal, batch=1, m=None) -> float:
+    """TFLOP/s of ``workload`` on ``(batch, heads, n, m, head_dim)`` (the timing rows: batch 1, m = n)."""
+    return timing.tflops(FLOPS_PER_NMD[workload], ms, batch=batch, heads=heads, n=n, m=n if m is None else m,
+                         head_dim=head_dim, causal=causal)
 
 
 def free_memory(cuda: bool) -> None:

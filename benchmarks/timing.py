@@ -36,8 +36,22 @@ def wall_median_ms(fn, reps: int) -> float:
 FLOPS_PER_NMD = {"fwd": 4, "fwd_bwd": 14, "fwd_bwd_bob": 52, "bob": 38}
 
 
+def causal_fraction(n: int, m: int) -> float:
+    """The share of the ``n x m`` score matrix a top-left aligned causal mask keeps (key ``j`` visible to
+    query ``i`` iff ``j <= i``), as an area: exactly 1/2 for ``n == m`` (the conventions' "halved for
+    causal"), ``n / (2 m)`` for ``n <= m`` and ``1 - m / (2 n)`` for ``n > m``."""
+    return n / (2 * m) if n <= m else 1 - m / (2 * n)
+
+
+def tflops(flops_per_nmd: float, ms: float, *, batch: int, heads: int, n: int, m: int, head_dim: int,
+           causal: bool) -> float:
+    """TFLOP/s of ``flops_per_nmd * N * M * d`` per (batch, query head), causal-masked as
+    :func:`causal_fraction`, done in ``ms`` milliseconds. ``heads`` are the query heads (with GQA too)."""
+    flops = flops_per_nmd * n * m * head_dim * batch * heads * (causal_fraction(n, m) if causal else 1.0)
+    return flops / (ms * 1e-3) / 1e12
+
+
 def attention_tflops(workload: str, ms: float, *, batch: int, heads: int, n: int, m: int, head_dim: int,
                      causal: bool) -> float:
     """TFLOP/s of ``workload`` on ``(batch, heads, n, m, head_dim)`` that took ``ms`` milliseconds."""
-    flops = FLOPS_PER_NMD[workload] * n * m * head_dim * batch * heads * (0.5 if causal else 1.0)
-    return flops / (ms * 1e-3) / 1e12
+    return tflops(FLOPS_PER_NMD[workload], ms, batch=batch, heads=heads, n=n, m=m, head_dim=head_dim, causal=causal)
