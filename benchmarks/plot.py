@@ -26,9 +26,9 @@ def load(path: str) -> list[dict]:
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     groups = defaultdict(list)
     for r in rows:
-        groups[(int(r["head_dim"]), r["causal"] == "True")].append(r)
+        groups[(int(r["head_dim"]), r["causal"] == "True", r.get("dtype", "bfloat16"), int(r["heads"]))].append(r)
     written = []
-    for (head_dim, causal), group in sorted(groups.items()):
+    for (head_dim, causal, dtype, heads), group in sorted(groups.items()):
         workloads = sorted({r["workload"] for r in group}, key=["fwd", "fwd_bwd", "bob", "fwd_bwd_bob"].index)
         fig, axes = plt.subplots(1, len(workloads) + 1, figsize=(4 * (len(workloads) + 1), 3.6))
         # one colour per implementation in every panel (sdpa_flash/sdpa_cudnn have no BoB points)
@@ -49,9 +49,11 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
         axes[-1].grid(True, which="both", alpha=0.3)
         handles = {h.get_label(): h for ax in axes for h in ax.get_lines()}  # every impl, even one without fwd
         axes[0].legend([handles[i] for i in sorted(handles)], sorted(handles))
-        fig.suptitle(f"bf16, d={head_dim}, {'causal' if causal else 'non-causal'}")
+        fig.suptitle(f"{dtype}, H={heads}, d={head_dim}, {'causal' if causal else 'non-causal'}")
         fig.tight_layout()
-        path = out_dir / f"bench_d{head_dim}_{'causal' if causal else 'full'}.png"
+        others = [k for k in groups if k[:2] == (head_dim, causal) and k != (head_dim, causal, dtype, heads)]
+        suffix = f"_{dtype}_h{heads}" if others else ""  # the usual one file per (d, causal) unless a sweep mixes
+        path = out_dir / f"bench_d{head_dim}_{'causal' if causal else 'full'}{suffix}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
