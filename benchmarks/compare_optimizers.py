@@ -137,9 +137,10 @@ def run(optimizer: str, steps: int, tokens_per_step: int, args: argparse.Namespa
     name, settings = settings_of(optimizer)
     command = [
         sys.executable, "-m", "recipes.lm", "--config", str(args.config), f"name={optimizer}", f"out_dir={out_dir}",
-        f"optimizer.name={name}", f"train.steps={steps}", "train.log_interval=1",
+        f"optimizer.name={name}", f"train.steps={steps}",
         f"train.eval_interval={max(1, steps // EVALUATIONS)}", "train.checkpoint_interval=0",
         "train.keep_checkpoints=1", "train.progress=false", "logger.kind=none", *settings, *args.overrides,
+        "train.log_interval=1",  # last: training time sums every step's logged time (an override would skip steps)
     ]  # fmt: skip
     env = child_environment(FLASHBOB_AUTOTUNE="0")
     print(" ".join(command), file=sys.stderr, flush=True)

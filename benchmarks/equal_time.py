@@ -257,12 +257,31 @@ def extension_points(optimizer: str, rows: list[dict], limit: int) -> list[tuple
 
 
 def curves_of(rows: list[dict]) -> dict[tuple[str, str, int], list[dict]]:
-    """The validation curve of each (optimizer, setting, seed), in step order; runs without one are left out."""
+    """The validation curve of each (optimizer, setting, seed), in step order: its rows of a finite validation
+    loss (none for a run that failed before its first validation: it reaches no target)."""
     curves: dict[tuple[str, str, int], list[dict]] = {}
     for row in rows:
+        curve = curves.setdefault((row["optimizer"], row["setting"], row["seed"]), [])
         if row["val_loss"] is not None and math.isfinite(row["val_loss"]):
-            curves.setdefault((row["optimizer"], row["setting"], row["seed"]), []).append(row)
+            curve.append(row)
     return {key: sorted(curve, key=lambda r: r["step"]) for key, curve in curves.items()}
+
+
+def ended_normally(curve: list[dict]) -> bool:
+    """Whether the run of ``curve`` has validations and ended normally (status ``ok``)."""
+    return bool(curve) and curve[-1].get("status", "ok") == "ok"
+
+
+def run_names(keys) -> dict[tuple[str, str], str]:
+    """The summary's name of each (optimizer, setting) of ``keys`` ((optimizer, setting, ...) tuples): the
+    optimizer's, or ``"optimizer (setting)"`` where the optimizer ran more than one setting (say, the sweep's best
+    changed after a comparison run): their runs are not averaged together."""
+    settings: dict[str, list[str]] = {}
+    for optimizer, setting, *_ in keys:
+        if setting not in settings.setdefault(optimizer, []):
+            settings[optimizer].append(setting)
+    return {(optimizer, setting): optimizer if len(mine) == 1 else f"{optimizer} ({setting})"
+            for optimizer, mine in settings.items() for setting in mine}
 
 
 def time_to_target(points: list[tuple[float, float]], target: float) -> float | None:
@@ -283,21 +302,26 @@ def time_to_target(points: list[tuple[float, float]], target: float) -> float | 
 def choose_targets(curves: dict[tuple[str, str, int], list[dict]]) -> list[float]:
     """Target losses, easiest first: the hardest that every curve reaches (the largest of the curves' lowest
     validation losses, rounded up to 0.001) plus each of :data:`TARGET_OFFSETS`, keeping those below every
-    curve's first validation (so each curve's time to it is measured, not before its first point)."""
+    curve's first validation (so each curve's time to it is measured, not before its first point). Only the runs
+    that ended normally choose them: one that failed early would drag every target up to where it stopped."""
+    curves = {key: curve for key, curve in curves.items() if ended_normally(curve)}
     if not curves:
         return []
     lowest = max(min(r["val_loss"] for r in curve) for curve in curves.values())
     hardest = math.ceil(round(lowest * 1000, 6)) / 1000  # 3.2 stays 3.2 (3.2 * 1000 is 3200.0000000000005)
+    if hardest < lowest:  # round() took 3.2000000004 down to 3.2, a target that run never reaches
+        hardest = round(hardest + 0.001, 3)
     start = min(curve[0]["val_loss"] for curve in curves.values())
     return [round(hardest + offset, 3) for offset in sorted(TARGET_OFFSETS, reverse=True) if hardest + offset < start]
 
 
 def reach(curves: dict[tuple[str, str, int], list[dict]], targets: list[float]) -> dict[str, list[tuple]]:
-    """Per optimizer and target, the mean over its seeds of the training seconds and tokens to the target
-    (``(None, None)`` if a seed never reaches it)."""
+    """Per optimizer (per :func:`run_names`) and target, the mean over its seeds of the training seconds and
+    tokens to the target (``(None, None)`` if a seed never reaches it)."""
+    names = run_names(curves)
     per_optimizer: dict[str, list[list[dict]]] = {}
-    for (optimizer, _, _), curve in curves.items():
-        per_optimizer.setdefault(optimizer, []).append(curve)
+    for (optimizer, setting, _), curve in curves.items():
+        per_optimizer.setdefault(names[optimizer, setting], []).append(curve)
     result = {}
     for optimizer, runs in per_optimizer.items():
         result[optimizer] = []
@@ -363,11 +387,14 @@ def sweep_table(rows: list[dict]) -> str:
 
 
 def run_table(rows: list[dict]) -> str:
-    """The comparison's runs, one row per optimizer: final validation loss per seed and their mean, and the means of
-    steps, training time, tokens/s and peak memory."""
+    """The comparison's runs, one row per optimizer (per setting where it ran more than one): final validation loss
+    per seed and their mean over the runs that ended normally (another's status and last validation loss are shown
+    instead), and the means of steps, training time, tokens/s and peak memory."""
+    ended = sorted(last_rows(rows), key=lambda r: r["seed"])
+    names = run_names((r["optimizer"], r["setting"]) for r in ended)
     per_optimizer: dict[str, list[dict]] = {}
-    for row in sorted(last_rows(rows), key=lambda r: r["seed"]):
-        per_optimizer.setdefault(row["optimizer"], []).append(row)
+    for row in ended:
+        per_optimizer.setdefault(names[row["optimizer"], row["setting"]], []).append(row)
     lines = [("| optimizer | setting | seeds | validation loss: mean (per seed) | steps | training time (s) | "
               "tokens/s | peak memory (GiB) | end |"), "|---|---|---|---|---|---|---|---|---|"]
 
@@ -375,13 +402,19 @@ def run_table(rows: list[dict]) -> str:
         values = [v for v in values if v is not None]
         return sum(values) / len(values) if values else None
 
+    def final(row: dict) -> str:
+        if row["status"] == "ok":
+            return _number(row["val_loss"], 3)
+        return row["status"] + (f" at {row['val_loss']:.3f}" if row["val_loss"] is not None else "")
+
     for optimizer, runs in per_optimizer.items():
-        losses = [r["val_loss"] for r in runs]
+        losses = [r["val_loss"] if r["status"] == "ok" and r["val_loss"] is not None and math.isfinite(r["val_loss"])
+                  else None for r in runs]
         speeds = [r["tokens"] * (1 - 1 / r["step"]) / r["train_s"] if r["step"] and r["train_s"] else None
                   for r in runs]  # the tokens after step 1 over the training time
         lines.append(
             f"| {optimizer} | {runs[0]['setting']} | {', '.join(str(r['seed']) for r in runs)} | "
-            f"{_number(mean(losses), 3)} ({', '.join(_number(v, 3) or r['status'] for v, r in zip(losses, runs))}) | "
+            f"{_number(mean(losses), 3)} ({', '.join(final(r) for r in runs)}) | "
             f"{_number(mean([r['step'] for r in runs]), 0)} | {_number(mean([r['train_s'] for r in runs]), 1)} | "
             f"{_number(mean(speeds), 0)} | {_number(mean([r['max_memory_gib'] for r in runs]), 2)} | "
             f"{', '.join(sorted({r['end'] or r['status'] for r in runs}))} |")
@@ -412,6 +445,8 @@ def plot(curves: dict[tuple[str, str, int], list[dict]], targets: list[float], x
     seeds = sorted({key[2] for key in curves})
     fig, ax = plt.subplots(figsize=(8, 5))
     for (optimizer, setting, seed), curve in curves.items():
+        if not curve:
+            continue
         ax.plot([r[x] for r in curve], [r["val_loss"] for r in curve], color=f"C{optimizers.index(optimizer)}",
                 ls=("-", "--", ":", "-.")[seeds.index(seed) % 4], marker="o", ms=3,
                 label=f"{optimizer} ({setting}), seed {seed}")
@@ -667,7 +702,7 @@ def ranked_optimizers(path: Path, count: int) -> list[str]:
     """The ``count`` optimizers of lowest mean final validation loss (over seeds) in the comparison CSV ``path``."""
     finals: dict[str, list[float]] = {}
     for row in last_rows(read_csv(path)):
-        if row["val_loss"] is not None:
+        if row["status"] == "ok" and row["val_loss"] is not None and math.isfinite(row["val_loss"]):
             finals.setdefault(row["optimizer"], []).append(row["val_loss"])
     if not finals:
         sys.exit(f"--top needs the finished comparison {path}: it holds no run")

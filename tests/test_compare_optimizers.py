@@ -62,3 +62,18 @@ def test_child_runs_keep_the_callers_python_path(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/tmp/site")
     env = child_environment(FLASHBOB_AUTOTUNE="0")
     assert env["PYTHONPATH"].split(os.pathsep) == [str(ROOT), "/tmp/site"] and env["FLASHBOB_AUTOTUNE"] == "0"
+
+
+def test_every_step_is_logged_whatever_the_overrides(tmp_path, monkeypatch):
+    """Training time is the sum of the logged step times: a train.log_interval override would leave steps out."""
+    import argparse
+    import subprocess
+
+    from benchmarks import compare_optimizers
+
+    commands = []
+    monkeypatch.setattr(compare_optimizers.subprocess, "run",
+                        lambda command, **_: commands.append(command) or subprocess.CompletedProcess(command, 0))
+    args = argparse.Namespace(config="configs/lm/tiny.yaml", overrides=["train.log_interval=10"], timeout=10)
+    compare_optimizers.run("adamw", 20, 128, args, tmp_path)
+    assert [a for a in commands[0] if a.startswith("train.log_interval=")][-1] == "train.log_interval=1"

@@ -163,6 +163,46 @@ def test_the_conclusion_names_who_reaches_each_target_first_and_by_what_factor()
     assert et.conclusion({}, [], "With equal 240 s") == "With equal 240 s: no target loss that every run reaches."
 
 
+
+def comparison_row(optimizer: str, setting: str, seed: int, step: int, val_loss: float | None,
+                   status: str = "ok") -> dict:
+    return {"setup": "x", "optimizer": optimizer, "setting": setting, "seed": seed, "budget_s": 240.0,
+            "planned_steps": 100, "status": status, "end": "schedule" if status == "ok" else None, "wall_s": 300.0,
+            "step": step, "tokens": step and 1000 * step, "train_s": step and float(step), "train_loss": val_loss, "val_loss": val_loss,
+            "lr": 1e-3, "max_memory_gib": 1.0}
+
+
+def test_two_settings_of_one_optimizer_are_not_averaged_as_seeds():
+    """After the sweep's best changes (a further edge extension), the CSV holds runs of the old and the new best."""
+    rows = [comparison_row("adamw", "lr=0.0005", 1, 10, 6.0), comparison_row("adamw", "lr=0.0005", 1, 20, 3.0),
+            comparison_row("sophiah", "rho=0.64", 1, 10, 6.0), comparison_row("sophiah", "rho=0.64", 1, 20, 5.5),
+            comparison_row("sophiah", "rho=2.56", 1, 10, 6.0), comparison_row("sophiah", "rho=2.56", 1, 20, 3.5)]
+    curves = et.curves_of(rows)
+    times = et.reach(curves, [5.5])
+    assert times["sophiah (rho=0.64)"] == [(20.0, 20000.0)] and times["sophiah (rho=2.56)"] == [(12.0, 12000.0)]
+    table = et.run_table(rows)
+    assert "| sophiah (rho=2.56) | rho=2.56 | 1 | 3.500 (3.500) |" in table and "1, 1" not in table
+
+
+def test_a_run_that_failed_neither_chooses_the_targets_nor_counts_in_the_mean_final_loss():
+    rows = [comparison_row("adamw", "a", 1, 10, 6.0), comparison_row("adamw", "a", 1, 20, 3.0),
+            comparison_row("adamw", "a", 2, 10, 6.5, "failed (exit 1)"),
+            comparison_row("adamw", "a", 3, None, None, "stopped at 540 s"),  # no validation before it stopped
+            comparison_row("sophiah", "b", 1, 10, 6.0), comparison_row("sophiah", "b", 1, 20, 3.5)]
+    curves = et.curves_of(rows)
+    assert et.choose_targets(curves) == [3.8, 3.6, 3.5]  # not [] (the failed run's 6.5 is above every first point)
+    assert et.reach(curves, [3.5])["adamw"] == [(None, None)]  # seeds 2 and 3 never reach it: not seed 1's alone
+    table = et.run_table(rows)
+    assert "| adamw | a | 1, 2, 3 | 3.000 (3.000, failed (exit 1) at 6.500, stopped at 540 s) |" in table
+
+
+def test_the_hardest_target_is_never_rounded_below_a_runs_lowest_loss():
+    curves = {("adamw", "a", 1): curve(7.0, 3.2000000004), ("sophiag", "b", 1): curve(7.0, 2.0)}
+    targets = et.choose_targets(curves)
+    assert targets[-1] == 3.201 and all(t is not None for t, _ in et.reach(curves, targets)["adamw"])
+    assert et.choose_targets({("adamw", "a", 1): curve(7.0, 3.2)})[-1] == 3.2  # an exact one stays
+
+
 # --- what the pipeline relies on in the LM recipe ---
 
 
