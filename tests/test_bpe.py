@@ -132,3 +132,12 @@ def test_the_bpe_config_validates_and_names_a_real_vocabulary():
     cfg = load_config(str(LM.configs / "bpe_32k.yaml"))
     assert (cfg.data.tokenizer, cfg.data.vocab_size, cfg.data.context_length) == ("bpe", 32768, 8192)
     assert cfg.model.vocab_size is None and cfg.train.device == "cuda"
+
+
+def test_the_separator_text_inside_a_document_is_text(tmp_path):
+    """Tokenizer code quotes "<|endoftext|>" (15 files of this venv's site-packages): it is encoded as text and
+    round-trips; only a NUL of the byte stream becomes the separator token."""
+    tokenizer = bpe.BPE.train(["print('hello world')\n" * 50, "eos = '<|endoftext|>'\n"], 300)
+    for t in (tokenizer, bpe.BPE.load(tokenizer.save(tmp_path / "t.json") or tmp_path / "t.json")):
+        ids = t.encode_stream(data.encode("a<|endoftext|>b\0c"))
+        assert np.count_nonzero(ids == t.separator) == 1 and t.decode(ids) == "a<|endoftext|>b\0c"

@@ -318,3 +318,50 @@ def test_optimizer_weight_decay_in_kwargs_and_a_zero_width_mlp_are_refused():
                  lambda: Transformer(vocab_size=16, n_outputs=16, d_model=8, n_heads=2, mlp_ratio=0.05)):
         with pytest.raises(ValueError, match=r"mlp_ratio 0.05 gives the (gelu )?MLP of d_model 8 a hidden width of 0"):
             make()
+
+
+def test_text_split_does_not_depend_on_where_the_corpus_lies_or_how_the_glob_spells_it(tmp_path, monkeypatch):
+    """The split hashes each file's name below the glob's folder, not the path as spelled: a moved corpus, an
+    absolute or a ./ pattern keep their held-out documents (else a resume trains on them)."""
+    for where in ("a", "b"):
+        for i in range(40):
+            (tmp_path / where / "sub").mkdir(parents=True, exist_ok=True)
+            (tmp_path / where / "sub" / f"doc{i}.txt").write_text(f"document {i} " * 50)
+    monkeypatch.chdir(tmp_path)
+    splits = [data.load_corpus("text", pattern, 10**6, 0.2, "uint8")
+              for pattern in (str(tmp_path / "a/**/*.txt"), "a/**/*.txt", "./a/**/*.txt", str(tmp_path / "b/**/*.txt"))]
+    assert len(splits[0].val) and all(np.array_equal(s.val, splits[0].val) for s in splits)
+    assert data.text_sources("a/**/*.txt")[0][0] == "sub/doc0.txt"
+
+
+def test_resume_refuses_other_training_windows():
+    """A checkpoint's data position only means something for the same windows: another corpus, split
+    (data.val_fraction, data.max_bytes), tokenizer or context length is refused, not silently resumed."""
+    tokens = data.encode("the quick brown fox jumps over the lazy dog. " * 40)
+    state = data.Batches(tokens, 16, 3, seed=7, split="train").state_dict()
+    data.Batches(tokens, 16, 4, seed=7, split="train").load_state_dict({**state, "index": 4, "global_batch": 4})
+    for other in (data.Batches(tokens[:-50], 16, 3, seed=7, split="train"),
+                  data.Batches(tokens, 8, 3, seed=7, split="train"),
+                  data.Batches(tokens.astype(np.uint16), 16, 3, seed=7, split="train")):
+        with pytest.raises(ValueError, match="training windows .* differ from this run's"):
+            other.load_state_dict(state)
+    old = {k: v for k, v in state.items() if k != "fingerprint"}  # checkpoints written before the check
+    data.Batches(tokens[:-50], 16, 3, seed=7, split="train").load_state_dict(old)
+
+
+def test_validation_counts_each_window_at_most_once():
+    """train.eval_batches beyond the validation windows (a small split, many processes) is cut to one pass."""
+    from recipes.lm.train import validation_batches
+
+    assert validation_batches(8, 220, 8) == 8
+    with pytest.warns(RuntimeWarning, match="exceed the validation split's 220 windows; evaluating 6"):
+        assert validation_batches(8, 220, 32) == 6
+    with pytest.warns(RuntimeWarning):
+        assert validation_batches(8, 5, 8) == 1
+
+
+def test_binary_uint32_tokens_hold_vocabularies_above_65536(tmp_path):
+    tokens = np.array([0, 70_000, 128_255] * 100, dtype=np.uint32)
+    tokens.tofile(tmp_path / "tokens.bin")
+    corpus = data.load_corpus("binary", str(tmp_path / "tokens.bin"), 0, 0.1, "uint32")
+    assert int(corpus.train.max()) == 128_255 and len(corpus.train) + len(corpus.val) == 300

@@ -30,7 +30,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from recipes.common.data import SEPARATOR, Corpus
 
-FORMAT = b"flashbob-bpe-1"  # part of the digest: a change to how tokenizers are trained or ids stored retrains
+FORMAT = b"flashbob-bpe-2"  # part of the digest: a change to how tokenizers are trained or ids stored retrains
+# (2: the text "<|endoftext|>" inside a document is encoded as text, not as the separator)
 SEPARATOR_TOKEN = "<|endoftext|>"
 MIN_VOCAB_SIZE = 257  # the 256 bytes and the separator
 
@@ -44,6 +45,9 @@ class BPE:
         if separator is None:
             raise ValueError(f"the tokenizer has no separator token {SEPARATOR_TOKEN!r}")
         self.separator = separator
+        # The text "<|endoftext|>" in a document (tokenizer code quotes it) is encoded as text; only
+        # encode_stream puts the separator token, where the byte stream has a NUL. Not saved in the JSON.
+        tokenizer.encode_special_tokens = True
 
     @classmethod
     def train(cls, documents: Sequence[str], vocab_size: int) -> BPE:

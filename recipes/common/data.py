@@ -3,7 +3,7 @@
 Tokens are bytes (vocabulary 256), so nothing is downloaded: the built-in corpus is the Python
 standard library's own ``.py`` source, read from the running interpreter's installation, or, larger,
 the ``.py`` source of its installed packages (``site-packages``). Text files (a glob) or a
-pre-tokenised binary file (``uint8``/``uint16``) can be used instead.
+pre-tokenised binary file (``uint8``/``uint16``/``uint32``) can be used instead.
 Documents are joined with a NUL byte, which never occurs in text, as the separator.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 
 VOCAB_SIZE = 256
 SEPARATOR = b"\0"
-BINARY_DTYPES = {"uint8": np.uint8, "uint16": np.uint16}
+BINARY_DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32}  # uint32: vocabularies above 65,536
 
 
 def encode(text: str) -> np.ndarray:
@@ -63,12 +64,25 @@ def package_sources() -> list[tuple[str, Path]]:
     return sorted((path.relative_to(root).as_posix(), path) for path in root.rglob("*.py") if path.is_file())
 
 
+def glob_root(pattern: str) -> Path:
+    """The folder of ``pattern`` above its first wildcard (``/data/corpus`` of ``/data/corpus/**/*.txt``)."""
+    root = []
+    for part in Path(pattern).parts[:-1]:
+        if glob.has_magic(part):
+            break
+        root.append(part)
+    return Path(*root) if root else Path(".")
+
+
 def text_sources(pattern: str) -> list[tuple[str, Path]]:
-    """Files matching the (recursive) glob ``pattern``, sorted by path."""
-    paths = sorted(p for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
+    """Files matching the (recursive) glob ``pattern``, sorted by name: the path relative to the pattern's
+    folder above its first wildcard, so that the split does not depend on where the corpus lies or on how
+    the pattern spells that folder (absolute, relative, ``./``)."""
+    root = glob_root(pattern)
+    paths = [p for p in glob.glob(pattern, recursive=True) if Path(p).is_file()]
     if not paths:
         raise FileNotFoundError(f"data.path {pattern!r} matches no files")
-    return [(p, Path(p)) for p in paths]
+    return sorted((Path(os.path.relpath(p, root)).as_posix(), Path(p)) for p in paths)
 
 
 def is_validation(name: str, val_fraction: float) -> bool:
@@ -157,6 +171,18 @@ class Batches:
         self.windows = (len(tokens) - 1) // context_length
         self.index = 0
         self._order: tuple[int, np.ndarray] | None = None
+        self._fingerprint: str | None = None
+
+    def fingerprint(self) -> str:
+        """A digest of the windows' tokens and ``context_length`` (the length and 64 evenly spaced runs of 4,096
+        tokens: cheap on a large memory-mapped file, and changed by any other corpus, split or tokenizer)."""
+        if self._fingerprint is None:
+            tokens = self.tokens
+            digest = hashlib.sha256(f"{len(tokens)}:{self.context_length}:{tokens.dtype}".encode())
+            for start in np.linspace(0, max(len(tokens) - 4096, 0), 64).astype(np.int64):
+                digest.update(np.ascontiguousarray(tokens[start : start + 4096]).tobytes())
+            self._fingerprint = digest.hexdigest()[:16]
+        return self._fingerprint
 
     def order(self, epoch: int) -> np.ndarray:
         """The permutation of the window indices that epoch ``epoch`` visits."""
@@ -185,12 +211,24 @@ class Batches:
         return self.index * self.batch_size * self.world_size / self.windows
 
     def state_dict(self) -> dict:
-        return {"index": self.index, "seed": self.seed, "global_batch": self.batch_size * self.world_size}
+        return {"index": self.index, "seed": self.seed, "global_batch": self.batch_size * self.world_size,
+                "fingerprint": self.fingerprint()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue where ``state`` left off; with another global batch size, at the same window position."""
+        """Continue where ``state`` left off; with another global batch size, at the same window position.
+
+        Raises:
+            ValueError: another seed, or other windows (another corpus, split, tokenizer or context length:
+                the saved position would point elsewhere, and held-out documents could be trained on).
+        """
         if state["seed"] != self.seed:
             raise ValueError(f"checkpoint data seed {state['seed']} differs from this run's {self.seed}")
+        if state.get("fingerprint", self.fingerprint()) != self.fingerprint():
+            raise ValueError(
+                f"the checkpoint's training windows (fingerprint {state['fingerprint']}) differ from this run's "
+                f"({self.fingerprint()}): another corpus, data.max_bytes, data.val_fraction, tokenizer or "
+                "data.context_length; resume with the same data, or start a new run"
+            )
         consumed = state["index"] * state.get("global_batch", self.batch_size * self.world_size)
         global_batch = self.batch_size * self.world_size
         if consumed % global_batch:

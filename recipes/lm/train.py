@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -67,7 +68,7 @@ class DataConfig:
     source: str = "stdlib"  # stdlib (the interpreter's own .py files) | packages (its installed packages' .py
     # files: site-packages) | text (glob in path) | binary (file in path)
     path: Optional[str] = None  # glob of text files, or a pre-tokenised binary file
-    binary_dtype: str = "uint16"  # uint8 | uint16, token type of a binary file
+    binary_dtype: str = "uint16"  # uint8 | uint16 | uint32, token type of a binary file
     tokenizer: str = "bytes"  # bytes (UTF-8 bytes; a binary file: its ids) | bpe (trained on the corpus, cached)
     vocab_size: int = 32768  # bpe: tokens of the trained tokenizer (>= 257: the 256 bytes and the separator)
     cache_dir: Optional[str] = None  # bpe: folder of the trained tokenizer and the token ids; None: <out_dir>/cache
@@ -209,6 +210,19 @@ def evaluate(model: GPT, forward: optimizers.Forward, batches: data.Batches, n: 
     return distributed.average(sum(losses) / n, ctx)
 
 
+def validation_batches(eval_batches: int, windows: int, global_batch: int) -> int:
+    """``train.eval_batches``, or fewer where the validation split holds fewer windows than they would draw
+    (``eval_batches * global_batch``): then every window once (at least one batch), with a warning, not some
+    windows of a second pass counted twice in the mean."""
+    fits = max(1, windows // global_batch)
+    if eval_batches > fits:
+        warnings.warn(f"train.eval_batches={eval_batches} x {global_batch} windows (data.batch_size x processes) "
+                      f"exceed the validation split's {windows} windows; evaluating {fits} batch(es)",
+                      RuntimeWarning, stacklevel=2)
+        return fits
+    return eval_batches
+
+
 def memory_metrics(device: torch.device) -> dict[str, float]:
     """Peak CUDA memory of this process so far, in GiB (nothing on other devices)."""
     if device.type != "cuda":
@@ -251,6 +265,7 @@ def build(cfg: DictConfig, device: torch.device, autocast: Autocast, ctx: distri
     train_batches = data.Batches(corpus.train, d.context_length, d.batch_size, t.seed, "train", **shard)
     # the same validation windows for every train.seed (a fixed held-out set: runs of other seeds compare)
     val_batches = data.Batches(corpus.val, d.context_length, d.batch_size, VALIDATION_SEED, "validation", **shard)
+    eval_batches = validation_batches(t.eval_batches, val_batches.windows, d.batch_size * ctx.world_size)
 
     model = GPT(**OmegaConf.to_container(cfg.model)).to(device)
     # AdamW: DDP averages the gradients in backward. Second order: no DDP (torch.autograd.grad bypasses
@@ -294,7 +309,7 @@ def build(cfg: DictConfig, device: torch.device, autocast: Autocast, ctx: distri
             **{f"optimizer/{k}": v for k, v in stats.items()}})
 
     def validation() -> dict[str, float]:
-        val = evaluate(model, forward_of(model), val_batches, t.eval_batches, device, ctx)
+        val = evaluate(model, forward_of(model), val_batches, eval_batches, device, ctx)
         return {"val/loss": val, "val/perplexity": math.exp(val)}
 
     parts = {"model": model, "optimizer": opt, "scheduler": scheduler, "data": train_batches}
