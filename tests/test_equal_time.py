@@ -231,8 +231,8 @@ def test_the_validation_windows_are_the_same_for_every_seed(tmp_path, monkeypatc
     monkeypatch.setattr(data, "Batches", Recorded)
     for seed in (1, 2):
         lm_train.build(LM.config(tmp_path, f"train.seed={seed}"), torch.device("cpu"), nullcontext, Context())
-    assert built == [("train", 1), ("validation", lm_train.VALIDATION_SEED),
-                     ("train", 2), ("validation", lm_train.VALIDATION_SEED)]
+    assert built == [("train", 1), ("validation", data.VALIDATION_SEED),
+                     ("train", 2), ("validation", data.VALIDATION_SEED)]
 
 
 def test_the_packages_corpus_is_the_installed_packages_source(tmp_path):

@@ -131,7 +131,6 @@ POSITIVE = ("model.d_model", "model.n_layers", "model.n_heads", "model.mlp_ratio
             "train.grad_accum_steps", "train.eval_interval", "train.eval_batches")
 NON_NEGATIVE = ("optimizer.weight_decay", "optimizer.grad_clip", "optimizer.warmup_steps",
                 "optimizer.min_lr_ratio", "model.dropout")
-VALIDATION_SEED = 1  # the order of the validation windows (seed 0's train.seed + 1 before it was fixed)
 
 
 def validate(cfg: DictConfig) -> None:
@@ -264,7 +263,7 @@ def build(cfg: DictConfig, device: torch.device, autocast: Autocast, ctx: distri
     shard = {"rank": ctx.rank, "world_size": ctx.world_size}
     train_batches = data.Batches(corpus.train, d.context_length, d.batch_size, t.seed, "train", **shard)
     # the same validation windows for every train.seed (a fixed held-out set: runs of other seeds compare)
-    val_batches = data.Batches(corpus.val, d.context_length, d.batch_size, VALIDATION_SEED, "validation", **shard)
+    val_batches = data.Batches(corpus.val, d.context_length, d.batch_size, data.VALIDATION_SEED, "validation", **shard)
     eval_batches = validation_batches(t.eval_batches, val_batches.windows, d.batch_size * ctx.world_size)
 
     model = GPT(**OmegaConf.to_container(cfg.model)).to(device)

@@ -159,7 +159,7 @@ def build(cfg: DictConfig, device: torch.device, autocast: Autocast, ctx: distri
     corpus = data.load_corpus(d.source, d.path, d.max_bytes, d.val_fraction, "uint8")
     length = d.context_length + d.continuation_length
     train_batches = data.Batches(corpus.train, length, d.batch_size, cfg.train.seed, "train")
-    val_batches = data.Batches(corpus.val, length, d.batch_size, cfg.train.seed + 1, "validation")
+    val_batches = data.Batches(corpus.val, length, d.batch_size, data.VALIDATION_SEED, "validation")  # for every seed
 
     model = build_model(cfg).to(device)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr, weight_decay=o.weight_decay)
