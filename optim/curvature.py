@@ -267,6 +267,14 @@ def _forward_mode_errors() -> Iterator[None]:
             "products, of its backward), and PyTorch has none for one of them (below). Use mode='reverse', or "
             "write that operation from simpler ones (e.g. F.silu as x * torch.sigmoid(x))"
         ) from error
+    except RuntimeError as error:
+        if "ZeroTensors are immutable" not in str(error):
+            raise
+        raise RuntimeError(
+            "mode='forward' ran into a PyTorch forward-mode rule that writes into a zero tangent (below; in torch "
+            "2.13 the backward of F.mse_loss, for Hessian products). Use mode='reverse', or write that operation "
+            "from simpler ones (e.g. F.mse_loss(o, y) as (o - y).square().mean())"
+        ) from error
 
 
 def _primal(dual: Tensor) -> Tensor:

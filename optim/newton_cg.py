@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Iterable
 from typing import Any, ClassVar, Literal
 
@@ -166,7 +167,9 @@ class NewtonCG(_closure.SecondOrderOptimizer):
             at least two whenever two iterates are saved. A fixed floor on the last iterate's own ratio
             :math:`\rho_i` cannot tell this: an earlier iterate whose model predicts a third of the decrease
             beats one with :math:`\rho_i = 1/4`.
-        line_search: Armijo backtracking line search.
+        line_search: Armijo backtracking line search. Without it the chosen iterate is taken as it is, with a
+            ``RuntimeWarning`` where it raises the loss (where :math:`f` is evaluated at all: with ``backtrack``
+            or ``adapt_damping``).
         preconditioner: ``None``, ``"squared_gradients"`` (EMA of :math:`g \circ g`),
             ``"hutchinson"`` (EMA of the Hutchinson estimate of :math:`|\operatorname{diag} B|`, one
             product per step) or ``"bartlett"`` (Gauss-Newton with the cross-entropy only: EMA of the
@@ -533,5 +536,9 @@ class NewtonCG(_closure.SecondOrderOptimizer):
                     break
                 alpha *= ARMIJO_SHRINK
                 value, trials = f(alpha, chosen), trials + 1
+        elif f0 < best < math.inf:  # without the search the step is taken as it is: say that it raises the loss
+            warnings.warn(f"NewtonCG: the step raises the loss from {sign * f0:.6g} to {sign * best:.6g} "
+                          "(line_search=False takes it as it is; line_search=True would shorten it)",
+                          RuntimeWarning, stacklevel=3)
         torch._foreach_copy_(params, origin)
         return chosen, damping, ratio, alpha, min(values) < math.inf

@@ -658,6 +658,22 @@ def test_forward_mode_explains_an_operation_without_a_forward_rule() -> None:
         op.jvp(vec)
 
 
+def test_forward_mode_explains_a_zero_tangent_written_in_place() -> None:
+    """torch 2.13's forward-over-reverse through F.mse_loss writes into an immutable zero tangent: the error says
+    what to do; the same loss written from simpler ops gives reverse mode's product."""
+    torch.manual_seed(0)
+    w = torch.randn(3, 2, dtype=DTYPE, requires_grad=True)
+    x, y, vec = torch.randn(4, 3, dtype=DTYPE), torch.randn(4, 2, dtype=DTYPE), [torch.randn(3, 2, dtype=DTYPE)]
+    try:
+        product = hvp(lambda p: F.mse_loss(x @ p[0], y), [w], vec, mode="forward")
+    except RuntimeError as error:
+        assert "F.mse_loss(o, y) as (o - y).square().mean()" in str(error) and "ZeroTensors" in str(error.__cause__)
+    else:  # a torch whose rule no longer does this
+        torch.testing.assert_close(product, hvp(F.mse_loss(x @ w, y), [w], vec))
+    simple = hvp(lambda p: (x @ p[0] - y).square().mean(), [w], vec, mode="forward")
+    torch.testing.assert_close(simple, hvp(F.mse_loss(x @ w, y), [w], vec), rtol=1e-12, atol=1e-14)
+
+
 def test_ggnvp_with_an_outputs_function_needs_a_loss_hessian(mlp: Problem) -> None:
     with pytest.raises(ValueError, match="or a loss_hessian"):
         ggnvp(mlp.loss(), mlp.outputs_function(), mlp.params, mlp.random_vec(), mode="forward")

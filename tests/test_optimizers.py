@@ -198,6 +198,24 @@ def test_newton_cg_softmax_regression_with_ggn_matches_scipy(gen):
     assert opt.stats["loss"] == pytest.approx(reference.fun, rel=1e-9)
 
 
+def test_newton_cg_without_line_search_warns_when_the_step_raises_the_loss(gen):
+    """line_search=False takes the chosen iterate as it is: a step that raises the (evaluated) loss says so; a step
+    that lowers it does not warn."""
+    x, y = torch.randn(12, 3, generator=gen, dtype=torch.float64), torch.randint(0, 3, (12,), generator=gen)
+    for lr, rises in ((64.0, True), (1e-4, False)):  # a short enough step along a descent direction lowers f
+        torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
+        net = MLP([3, 5, 3])
+        closure = lambda: (F.cross_entropy(net(x), y), net(x))  # noqa: E731
+        opt = NewtonCG(net.parameters(), lr=lr, damping=1e-3, line_search=False)
+        before = F.cross_entropy(net(x), y).item()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step(closure)
+        after = F.cross_entropy(net(x), y).item()
+        raised = [w for w in caught if "raises the loss" in str(w.message)]
+        assert (after > before) == rises and len(raised) == int(rises), (before, after, caught)
+
+
 def test_newton_cg_converges_on_rosenbrock():
     theta = torch.tensor([-1.2, 1.0], dtype=DTYPE, requires_grad=True)
     opt = NewtonCG([theta], curvature="hessian")
