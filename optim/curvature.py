@@ -393,6 +393,12 @@ DEFAULT_CHUNK_ELEMENTS = 2**24
 16,777,216, so each float32 temporary of a chunk takes 64 MiB (512 rows at :math:`V = 32768`)."""
 
 
+def check_reduction(reduction: str, owner: str) -> None:
+    """Raise ``ValueError`` unless ``reduction`` is ``"mean"`` or ``"sum"`` (any other value was taken as ``"sum"``)."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"{owner}: reduction must be 'mean' or 'sum', got {reduction!r}")
+
+
 def check_chunk_elements(chunk_elements: int) -> None:
     """Raise ``ValueError`` unless ``chunk_elements`` (logits per chunk) is a positive integer."""
     if isinstance(chunk_elements, bool) or not isinstance(chunk_elements, int) or chunk_elements < 1:
@@ -463,8 +469,9 @@ class CrossEntropyHessian:
         chunk_elements: Logits per chunk (rounded down to whole rows, at least one row).
 
     Raises:
-        ValueError: ``chunk_elements`` is not a positive integer; at a product, ``targets`` has
-            not one entry per row, or ``out`` is not a contiguous tensor shaped like ``vec``.
+        ValueError: ``reduction`` is neither ``"mean"`` nor ``"sum"``, or ``chunk_elements`` is not a
+            positive integer; at a product, ``targets`` has not one entry per row, or ``out`` is not a
+            contiguous tensor shaped like ``vec``.
     """
 
     targets: Tensor
@@ -473,6 +480,7 @@ class CrossEntropyHessian:
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
 
     def __post_init__(self) -> None:
+        check_reduction(self.reduction, "CrossEntropyHessian")
         check_chunk_elements(self.chunk_elements)
 
     def __call__(self, outputs: Tensor, vec: Tensor, *, out: Tensor | None = None) -> Tensor:
@@ -508,9 +516,15 @@ class MSEHessian:
 
     Args:
         reduction: ``"mean"`` or ``"sum"``, as passed to ``F.mse_loss``.
+
+    Raises:
+        ValueError: ``reduction`` is neither.
     """
 
     reduction: Reduction = "mean"
+
+    def __post_init__(self) -> None:
+        check_reduction(self.reduction, "MSEHessian")
 
     def __call__(self, outputs: Tensor, vec: Tensor) -> Tensor:
         """Return :math:`H_L u` for predictions ``outputs`` and tangent ``vec``."""

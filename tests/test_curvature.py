@@ -925,3 +925,11 @@ def test_functional_refuses_a_tied_weight_listed_twice() -> None:
     with pytest.raises(ValueError, match=r"params 0 and 1 are the same tensor \(a tied weight listed twice\)"):
         functional(model, lambda: model(torch.arange(4)), [embed.weight, head.weight])
     functional(model, lambda: model(torch.arange(4)))  # model.parameters() lists it once
+
+
+@pytest.mark.parametrize("make", [lambda r: CrossEntropyHessian(torch.zeros(3, dtype=torch.long), r), MSEHessian])
+@pytest.mark.parametrize("reduction", ["none", "avg", "Mean"])
+def test_loss_hessians_refuse_an_unknown_reduction(make, reduction) -> None:
+    """Any reduction but "mean" was taken as "sum": "none" or a typo gave a product R (or R * V) times too large."""
+    with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum'"):
+        make(reduction)
