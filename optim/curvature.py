@@ -862,7 +862,12 @@ def hutchinson_diagonal(
 
     Returns:
         The estimate, one tensor per parameter.
+
+    Raises:
+        ValueError: ``num_samples`` is not a positive integer (0 gave NaN, a negative count zeros).
     """
+    if isinstance(num_samples, bool) or not hasattr(num_samples, "__index__") or num_samples < 1:
+        raise ValueError(f"num_samples must be a positive integer (probes), got {num_samples!r}")
     op = _as_operator(operator)
     total = [torch.zeros_like(p) for p in op.params]
     for _ in range(num_samples):

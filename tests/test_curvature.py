@@ -933,3 +933,12 @@ def test_loss_hessians_refuse_an_unknown_reduction(make, reduction) -> None:
     """Any reduction but "mean" was taken as "sum": "none" or a typo gave a product R (or R * V) times too large."""
     with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum'"):
         make(reduction)
+
+
+@pytest.mark.parametrize("num_samples", [0, -1, 1.5, True])
+def test_hutchinson_and_trace_refuse_a_count_of_probes_below_one(mlp: Problem, num_samples) -> None:
+    """num_samples=0 returned NaN (0 / 0) and a negative count zeros (-0.0), without an error."""
+    op = HessianOperator(mlp.loss(), mlp.params)
+    for estimator in (hutchinson_diagonal, trace):
+        with pytest.raises(ValueError, match="num_samples must be a positive integer"):
+            estimator(op, num_samples)
