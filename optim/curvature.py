@@ -918,7 +918,12 @@ def power_iteration(
 
     Returns:
         :math:`\lambda` and :math:`v` (unit norm over all parameters, one tensor per parameter).
+
+    Raises:
+        ValueError: ``max_iter`` is not a positive integer.
     """
+    if isinstance(max_iter, bool) or not hasattr(max_iter, "__index__") or max_iter < 1:
+        raise ValueError(f"power_iteration: max_iter must be a positive integer (products), got {max_iter!r}")
     op = _as_operator(operator)
     v = torch.randn(op.shape[0], generator=generator, device=op.device, dtype=op.dtype)
     v = v / torch.linalg.vector_norm(v)

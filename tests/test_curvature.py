@@ -942,3 +942,11 @@ def test_hutchinson_and_trace_refuse_a_count_of_probes_below_one(mlp: Problem, n
     for estimator in (hutchinson_diagonal, trace):
         with pytest.raises(ValueError, match="num_samples must be a positive integer"):
             estimator(op, num_samples)
+
+
+@pytest.mark.parametrize("max_iter", [0, -3])
+def test_power_iteration_refuses_max_iter_below_one(max_iter) -> None:
+    """max_iter=0 ran no product and failed with UnboundLocalError ('eigenvalue')."""
+    op = DenseOperator(torch.diag(torch.tensor([2.0, 1.0], dtype=DTYPE)), [torch.zeros(2, dtype=DTYPE)])
+    with pytest.raises(ValueError, match="max_iter must be a positive integer"):
+        power_iteration(op, max_iter=max_iter)
