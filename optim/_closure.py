@@ -123,9 +123,25 @@ class SecondOrderOptimizer(Optimizer):
         self.group: _dist.Group = None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Check the group's hyperparameters (its own and the defaults it takes), then add it."""
+        """Check the group's hyperparameters (its own and the defaults it takes) and that its parameters are
+        real, then add it.
+
+        Raises:
+            ValueError: A hyperparameter breaks its rule.
+            TypeError: A parameter is complex (the curvature estimates and updates assume real numbers: AdaHessian
+                wrote a complex :math:`D_t^2` into its state and the parameters, then failed on its statistics).
+        """
         if isinstance(param_group, dict):
             check_hyperparameters(self._owner, {**self.defaults, **param_group}, self._rules)
+            params = param_group.get("params")
+            if params is not None and not isinstance(params, (Tensor, set)):
+                param_group["params"] = params = list(params)  # as torch does; a generator is read once
+            listed = [params] if isinstance(params, Tensor) else params or ()
+            if any(isinstance(p, Tensor) and p.is_complex() for p in listed):
+                raise TypeError(
+                    f"{self._owner} does not support complex parameters: its curvature estimates and updates assume "
+                    "real ones; hold the real and imaginary parts as two real parameters"
+                )
         super().add_param_group(param_group)
 
     @property

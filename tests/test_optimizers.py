@@ -847,3 +847,16 @@ def test_closure_dict_targets_mask_ignored_rows_of_the_gauss_newton_matrix():
     assert torch.equal(results[0], results[1]) and not torch.equal(results[0], flat(model))
     with pytest.raises(TypeError, match="unknown keys"):
         opt.step(lambda: {"loss": F.cross_entropy(model(x), y), "logits": model(x)})
+
+
+@pytest.mark.parametrize("name", ["newton_ggn", "sophia_h", "adahessian"])
+def test_complex_parameters_are_refused(name):
+    """AdaHessian took a step on a complex parameter (its state holding a complex D^2, the parameter changed) and
+    then failed with 'value cannot be converted to type double without overflow'; now every optimizer refuses."""
+    real, c = nn.Parameter(torch.ones(2, dtype=DTYPE)), nn.Parameter(torch.ones(3, dtype=torch.complex128))
+    with pytest.raises(TypeError, match="does not support complex parameters"):
+        make(name, [real, c])
+    opt = make(name, [real])
+    with pytest.raises(TypeError, match="does not support complex parameters"):
+        opt.add_param_group({"params": iter([c])})
+    assert len(opt.param_groups) == 1
