@@ -59,7 +59,9 @@ class AdaHessian(_closure.SecondOrderOptimizer):
         eps: :math:`\epsilon` (1e-4).
         weight_decay: Decoupled weight decay :math:`\lambda`.
         hessian_power: :math:`k \in [0, 1]` (1).
-        spatial_average: Average :math:`D` over the last two dimensions of 4-D parameters.
+        spatial_average: Average :math:`D` over the last two dimensions of 4-D parameters, signed, as the
+            paper's formula has it (the released code averages :math:`|D|`, which differs where :math:`D`
+            changes sign within a kernel).
         maximize: Maximise the loss.
         distribution: Hutchinson probes, ``"rademacher"`` or ``"gaussian"``.
         generator: Source of the probes (the global one if ``None``; in distributed mode, one
