@@ -187,7 +187,7 @@ def _check_sdpa_tensors(query, key, value, enable_gqa) -> None:
         )
     check_bool("enable_gqa", enable_gqa)
     heads, kv_heads = (query.shape[-3] if query.dim() > 2 else 1), (key.shape[-3] if key.dim() > 2 else 1)
-    if heads != kv_heads:
+    if heads != kv_heads and kv_heads != 1:  # one kv head broadcasts over the query's heads, as in SDPA
         if not enable_gqa:
             raise RuntimeError(
                 f"query has {heads} heads but key has {kv_heads}: pass enable_gqa=True for grouped-query attention"

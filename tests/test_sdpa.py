@@ -100,6 +100,22 @@ def test_gqa_checks(gen):
         flashbob.sdpa(q3, k3, v3, enable_gqa=True)
 
 
+@pytest.mark.parametrize("shapes", [((2, 4, 9, 8), (2, 1, 11, 8)), ((4, 9, 8), (1, 11, 8)), ((2, 4, 9, 8), (11, 8))])
+def test_one_kv_head_broadcasts_without_enable_gqa_as_in_torch(gen, shapes):
+    """SDPA broadcasts a single kv head over the query's heads without enable_gqa (multi-query attention written
+    as broadcasting); flashbob.sdpa raised 'pass enable_gqa=True' for it, so such a model broke under patch_sdpa."""
+    q = torch.randn(*shapes[0], generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(*shapes[1], generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    keys = key_padding(gen, 1, 11)[0]
+    for kwargs in ({}, dict(is_causal=True), dict(attn_mask=keys)):
+        got = flashbob.sdpa(q, k, v, **kwargs)
+        want = TORCH_SDPA(q, k, v, **kwargs)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        grads = [torch.autograd.grad(out.sin().sum(), (q, k, v)) for out in (got, want)]
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 def test_fully_masked_rows_are_zero_with_zero_gradients(gen):
     q, k, v = (x.requires_grad_() for x in qkv(gen, heads=2, kv_heads=2))
     keys = key_padding(gen, 2, 11)
