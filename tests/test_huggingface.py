@@ -142,3 +142,21 @@ def test_attention_sinks_are_refused_and_missing_weights_are_said():
     huggingface._warned_attentions = False
     with pytest.warns(UserWarning, match="output_attentions=True returns None for them; use attn_implementation="):
         llama(batch()[0], output_attentions=True)
+
+
+def test_packed_sequences_given_as_cu_seq_lens_are_kept_apart():
+    """DataCollatorWithFlattening passes packed sequences as position_ids and flash-attention's cu_seq_lens_q/_k.
+    With a cache (use_cache defaults to True) transformers builds no mask for them, and 'bob' ignored cu_seq_lens:
+    plain causal attention across the packed sequences, silently. Now each sequence sees only itself, as with
+    flash-attention: the packed logits equal those of each sequence run alone."""
+    ids, _ = batch()
+    lengths = [4, 3, 4]
+    packed = ids[:1]
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, 4, 7, 11], dtype=torch.int32)
+    model = build("llama", huggingface.NAME, torch.float64)
+    got = model(packed, position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=4,
+                max_length_k=4).logits[0]
+    naive = build("llama", "naive_test", torch.float64)
+    want = torch.cat([naive(part[None]).logits[0] for part in packed[0].split(lengths)])
+    assert (got - want).abs().max() < 1e-10

@@ -39,7 +39,8 @@ def flashbob_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """The transformers attention-interface function: ``(B, H, N, d)`` inputs (kv heads unrepeated),
-    returns ``((B, N, H, d) output, None)`` like the SDPA implementation.
+    returns ``((B, N, H, d) output, None)`` like the SDPA implementation. Packed sequences that come as
+    flash-attention's ``cu_seq_lens_q`` / ``cu_seq_lens_k`` without a mask are kept apart, as flash-attention does.
 
     Raises:
         ValueError: a model passes what softmax attention with a mask cannot express: ``softcap``,
@@ -59,6 +60,10 @@ def flashbob_attention_forward(
     n = query.shape[2]
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = bool(is_causal) and attention_mask is None and n > 1
+    if attention_mask is None and kwargs.get("cu_seq_lens_q") is not None:  # packed sequences, as flash-attention
+        attention_mask = _packed_sequences_mask(kwargs["cu_seq_lens_q"], kwargs.get("cu_seq_lens_k"), query, key,
+                                                is_causal)
+        is_causal = False
     if is_causal and key.shape[2] > n:  # prefill of an empty static cache: top-left causal on the first n keys
         key, value = key[:, :, :n], value[:, :, :n]
     out = sdpa(
@@ -66,6 +71,34 @@ def flashbob_attention_forward(
         enable_gqa=query.shape[1] != key.shape[1],
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _packed_sequences_mask(cu_q: torch.Tensor, cu_k: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor,
+                           causal: bool) -> torch.Tensor:
+    """flash-attention's varlen semantics as a ``(batch, 1, N, M)`` boolean mask: ``cu_seq_lens_q`` / ``_k`` (the
+    sequences' cumulative lengths over the flattened ``batch * N`` queries and ``batch * M`` keys, as
+    ``DataCollatorWithFlattening`` passes them) let a query see only the keys of its own sequence, causally
+    (bottom-right aligned within the sequence, as flash-attention) when ``causal``."""
+    batch, n, m = query.shape[0], query.shape[2], key.shape[2]
+
+    def sequence_and_offset(cu: torch.Tensor, length: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        cu = cu.to(device=query.device, dtype=torch.long)
+        if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != batch * length:
+            raise ValueError(f"{name} must be the cumulative sequence lengths (0, ..., {batch * length}) of the "
+                             f"{batch * length} flattened positions, got {cu.tolist()}")
+        if not torch.isin(torch.arange(0, batch * length, length, device=cu.device), cu).all():
+            raise ValueError(f"{name}: a packed sequence that crosses from one batch row to the next is not supported "
+                             f"(rows of {length}), got {cu.tolist()}")
+        position = torch.arange(batch * length, device=query.device)
+        sequence = torch.searchsorted(cu[1:], position, right=True)
+        return sequence.reshape(batch, length), (position - cu[1:][sequence]).reshape(batch, length)  # offset < 0
+
+    seq_q, end_q = sequence_and_offset(cu_q, n, "cu_seq_lens_q")
+    seq_k, end_k = sequence_and_offset(cu_q if cu_k is None else cu_k, m, "cu_seq_lens_k")
+    mask = seq_q[:, :, None] == seq_k[:, None, :]
+    if causal:
+        mask = mask & (end_k[:, None, :] <= end_q[:, :, None])
+    return mask[:, None]
 
 
 _warned_attentions = False
