@@ -50,7 +50,7 @@ from einops import pack, unpack
 
 from flashbob import reference
 from flashbob.attention import attention
-from flashbob.inputs import check_sdpa_arguments
+from flashbob.inputs import check_backend, check_sdpa_arguments
 
 __all__ = ["sdpa", "patch_sdpa", "set_strict", "is_strict", "FallbackWarning", "FallbackError"]
 
@@ -206,6 +206,8 @@ def sdpa(
         FallbackError: in strict mode, a request that would take the exact fallback.
     """
     check_sdpa_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
+    if not enable_gqa and query.dim() > 2 and key.dim() > 2 and query.shape[-3] == 1 < key.shape[-3]:
+        query = query.expand(*query.shape[:-3], key.shape[-3], *query.shape[-2:])  # one query head broadcasts
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     reason = _fallback_reason(query, key, value, attn_mask, dropout_p)
     if reason is not None:
@@ -291,6 +293,7 @@ class patch_sdpa(contextlib.ContextDecorator):
     """
 
     def __init__(self, backend: str = "auto"):
+        check_backend(backend)
         self.backend = backend
 
     def __enter__(self):
@@ -304,6 +307,8 @@ class patch_sdpa(contextlib.ContextDecorator):
 
     def __exit__(self, *exc):
         stack = _Patch.stack()
+        if self not in stack:
+            raise RuntimeError("patch_sdpa: this patch is not open in this thread (closed twice, or never entered here)")
         del stack[len(stack) - 1 - stack[::-1].index(self)]  # this patch's innermost entry, wherever it is
         with _Patch.lock:
             _Patch.open_count -= 1

@@ -187,7 +187,8 @@ def _check_sdpa_tensors(query, key, value, enable_gqa) -> None:
         )
     check_bool("enable_gqa", enable_gqa)
     heads, kv_heads = (query.shape[-3] if query.dim() > 2 else 1), (key.shape[-3] if key.dim() > 2 else 1)
-    if heads != kv_heads and kv_heads != 1:  # one kv head broadcasts over the query's heads, as in SDPA
+    broadcast = kv_heads == 1 or (heads == 1 and not enable_gqa)  # a single head broadcasts, as in SDPA
+    if heads != kv_heads and not broadcast:
         if not enable_gqa:
             raise RuntimeError(
                 f"query has {heads} heads but key has {kv_heads}: pass enable_gqa=True for grouped-query attention"
@@ -199,9 +200,11 @@ def _check_sdpa_tensors(query, key, value, enable_gqa) -> None:
 def _scores_shape(query: torch.Tensor, key: torch.Tensor) -> torch.Size:
     """``(..., heads, L, S)``, the shape of the attention scores (what ``attn_mask`` must broadcast to).
 
-    The kv heads (dimension -3 of ``key``) count as 1: grouped-query attention repeats them.
+    The kv heads (dimension -3 of ``key``) count as 1: grouped-query attention repeats them; against a single
+    query head they broadcast.
     """
-    key_lead = (*key.shape[:-3], 1) if key.dim() > 2 else ()
+    query_heads = query.shape[-3] if query.dim() > 2 else 1
+    key_lead = (*key.shape[:-3], key.shape[-3] if query_heads == 1 else 1) if key.dim() > 2 else ()
     try:
         lead = torch.broadcast_shapes(query.shape[:-2], key_lead)
     except RuntimeError:

@@ -100,10 +100,15 @@ def test_gqa_checks(gen):
         flashbob.sdpa(q3, k3, v3, enable_gqa=True)
 
 
-@pytest.mark.parametrize("shapes", [((2, 4, 9, 8), (2, 1, 11, 8)), ((4, 9, 8), (1, 11, 8)), ((2, 4, 9, 8), (11, 8))])
-def test_one_kv_head_broadcasts_without_enable_gqa_as_in_torch(gen, shapes):
+@pytest.mark.parametrize(
+    "shapes",
+    [((2, 4, 9, 8), (2, 1, 11, 8)), ((4, 9, 8), (1, 11, 8)), ((2, 4, 9, 8), (11, 8)),
+     ((2, 1, 9, 8), (2, 4, 11, 8)), ((1, 9, 8), (3, 11, 8))],
+)
+def test_one_head_broadcasts_without_enable_gqa_as_in_torch(gen, shapes):
     """SDPA broadcasts a single kv head over the query's heads without enable_gqa (multi-query attention written
-    as broadcasting); flashbob.sdpa raised 'pass enable_gqa=True' for it, so such a model broke under patch_sdpa."""
+    as broadcasting), and a single query head over the key's heads; flashbob.sdpa raised 'pass enable_gqa=True'
+    for them, so such a model broke under patch_sdpa."""
     q = torch.randn(*shapes[0], generator=gen, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(*shapes[1], generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
     keys = key_padding(gen, 1, 11)[0]
@@ -114,6 +119,17 @@ def test_one_kv_head_broadcasts_without_enable_gqa_as_in_torch(gen, shapes):
         grads = [torch.autograd.grad(out.sin().sum(), (q, k, v)) for out in (got, want)]
         for a, b in zip(*grads):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_one_query_head_against_a_per_head_mask_as_in_torch(gen):
+    q = torch.randn(2, 1, 9, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 4, 11, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    keep = torch.rand(2, 4, 9, 11, generator=gen) > 0.3
+    keep[..., 0] = True
+    for mask in (keep, torch.randn(2, 4, 9, 11, generator=gen, dtype=torch.float64)):
+        torch.testing.assert_close(flashbob.sdpa(q, k, v, attn_mask=mask), TORCH_SDPA(q, k, v, attn_mask=mask))
+    with pytest.raises(RuntimeError, match="must divide"):  # torch refuses it too
+        flashbob.sdpa(q, k, v, enable_gqa=True)
 
 
 def test_fully_masked_rows_are_zero_with_zero_gradients(gen):
@@ -199,6 +215,19 @@ def test_patch_sdpa_restores_nests_and_decorates(gen, monkeypatch):
     finally:  # a failure here must not leave F.scaled_dot_product_attention patched for the tests after it
         second.__exit__(None, None, None)
     assert calls == ["auto"] and F.scaled_dot_product_attention is TORCH_SDPA
+
+
+def test_patch_sdpa_refuses_an_unknown_backend_and_a_close_without_an_open():
+    with pytest.raises(ValueError, match="backend must be"):
+        flashbob.patch_sdpa(backend="bogus")  # at construction, not at the first attention call
+    patch = flashbob.patch_sdpa()
+    with pytest.raises(RuntimeError, match="not open in this thread"):
+        patch.__exit__(None, None, None)
+    with patch:
+        pass
+    with pytest.raises(RuntimeError, match="not open in this thread"):
+        patch.__exit__(None, None, None)  # closed twice
+    assert F.scaled_dot_product_attention is TORCH_SDPA
 
 
 def test_patch_sdpa_holds_per_thread_and_the_last_one_out_restores(gen, monkeypatch):
