@@ -16,7 +16,9 @@ formulas; the names are:
 Grouped-query attention is handled by viewing the query heads as ``(kv_heads, group)`` and
 broadcasting keys and values over the group axis; gradients of keys and values sum over it.
 Arithmetic is in the accumulator dtype (float32, float64 for float64 inputs:
-:func:`flashbob.inputs.accumulator_dtype`); results are cast back to the input dtype.
+:func:`flashbob.inputs.accumulator_dtype`); results are cast back to the input dtype. Autocast is
+turned off inside every pass (as the Triton kernels ignore it): under it, the panels' float32 matrix
+products would otherwise run in the autocast dtype.
 
 Every pass normalises ``P`` by its own row sums ``σ = rowsum(exp(S - lse))`` (1 up to the rounding
 of ``lse``) instead of trusting ``exp(S - lse)`` to sum to one: when scores are large (``|S| ~ 1e4``
@@ -30,6 +32,8 @@ masked keys to ``-inf``. A row that sees no key gets ``lse = +inf`` (so that eve
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from einops import rearrange
@@ -45,6 +49,20 @@ def panel_size(rows: int, row_length: int, batch_heads: int, block: int | None =
     if block is None:
         block = PANEL_ELEMENTS // max(1, row_length * batch_heads)
     return max(1, min(rows, block))
+
+
+def _without_autocast(compute):
+    """Run a pass with autocast off on its inputs' device, so that it computes in the accumulator dtype."""
+
+    @functools.wraps(compute)
+    def wrapper(q, *args, **kwargs):
+        device = q.device.type
+        if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+            with torch.autocast(device, enabled=False):
+                return compute(q, *args, **kwargs)
+        return compute(q, *args, **kwargs)
+
+    return wrapper
 
 
 def _grouped(x: torch.Tensor | None, kv_heads: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -109,6 +127,7 @@ def _panels(length: int, size: int):
         yield slice(start, min(start + size, length))
 
 
+@_without_autocast
 def forward(q, k, v, *, causal: bool, scale: float, block: int | None = None, key_mask=None):
     """Attention output ``O = softmax(S) V`` and ``lse = logsumexp_row(S)``, one row panel at a time
     (``lse = +inf`` and ``O = 0`` for rows that see no key)."""
@@ -129,6 +148,7 @@ def forward(q, k, v, *, causal: bool, scale: float, block: int | None = None, ke
     return _ungroup(o, q), rearrange(lse, "b h g n -> b (h g) n")
 
 
+@_without_autocast
 def backward(q, k, v, o, lse, do, *, causal: bool, scale: float, block: int | None = None, key_mask=None):
     """First backward ``(dQ, dK, dV, Δ)``: ``dV = Pᵀ dO``, ``dQ = τ dS K``, ``dK = τ dSᵀ Q``."""
     dtype = accumulator_dtype(q.dtype)
@@ -203,6 +223,7 @@ def _bob_panel(t: dict, rows: slice, cols: slice, causal: bool, scale: float):
     return p, ds, p * inner, None if a_bar is None else p * a_bar, a, c, sigma
 
 
+@_without_autocast
 def bob(
     q, k, v, do, o, lse, delta, dq_bar, dk_bar, dv_bar, *, causal: bool, scale: float, block: int | None = None,
     key_mask=None,
@@ -310,6 +331,7 @@ def _output_tangent(t: dict, p, p_dot, cols: slice):
     return _total(_matmul(p_dot, t["v"][..., cols, :]), _matmul(p, _part(t["v_dot"], cols)))
 
 
+@_without_autocast
 def forward_jvp(
     q, k, v, o, lse, q_dot, k_dot, v_dot, *, causal: bool, scale: float, block: int | None = None, key_mask=None
 ):
@@ -357,6 +379,7 @@ def _row_dots(do, o_dot, do_dot, o):
     return torch.zeros_like(do[..., 0]) if delta_dot is None else delta_dot
 
 
+@_without_autocast
 def backward_jvp(
     q, k, v, do, o, lse, delta, q_dot, k_dot, v_dot, do_dot, *, causal: bool, scale: float,
     block: int | None = None, key_mask=None, o_dot=None, stats_dot=None,
