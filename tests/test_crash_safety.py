@@ -23,7 +23,7 @@ from benchmarks.environment import child_environment
 from recipes.common import checkpoint, run_folder
 from recipes.common.config import ConfigError
 from recipes.common.logger import drop_rows_after, wandb_run_id
-from tests.runs import LM, RECIPES, ROOT, read_jsonl
+from tests.runs import LM, META, RECIPES, ROOT, read_jsonl
 
 # A model whose checkpoint (weights and AdamW moments, ~40 MB) takes far longer to write than the
 # poll below takes to notice its temporary file, and a checkpoint after every step.
@@ -41,7 +41,7 @@ def run_recipe(tmp_path: Path, *extra: str) -> subprocess.Popen:
 def kill_mid_write(tmp_path: Path, directory: Path, timeout: float = 120.0) -> Path:
     """Start a run and SIGKILL it the moment a checkpoint's temporary file appears, once at least
     one checkpoint is finished; return the temporary file it left (proof the kill hit mid-write)."""
-    process = run_recipe(tmp_path, "train.steps=100000")
+    process = run_recipe(tmp_path, "train.steps=100000", "train.resume=auto")  # a retry continues the killed run
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline and process.poll() is None:
@@ -201,6 +201,25 @@ def test_resume_auto_on_a_fresh_run_starts_from_scratch(tmp_path, recipe):
     run.train(run.config(tmp_path, "train.steps=2", "train.resume=auto"))
     assert [row["step"] for row in read_jsonl(tmp_path / run.run / "metrics.jsonl")] == [1, 2]
     assert [p.name for p in checkpoint.checkpoints(tmp_path / run.run / "checkpoints")] == ["step_00000002.pt"]
+
+
+def test_a_fresh_run_in_a_folder_with_an_earlier_runs_checkpoints_is_refused(tmp_path):
+    """Without a resume, a run folder holding checkpoints is refused, and nothing in it changes. Before:
+    the fresh run's pruning (keep 2 of step 2 new, 4 and 6 earlier) deleted its own step-2 checkpoint,
+    and ``--resume auto`` then continued the earlier run's step 6 as if it were this run's."""
+    settings = ("train.checkpoint_interval=2", "train.keep_checkpoints=2", "train.eval_interval=100")
+    META.train(META.config(tmp_path, "train.steps=6", *settings))
+    run_dir = tmp_path / META.run
+    before = {p.name: p.read_bytes() for p in (run_dir / "checkpoints").iterdir()}
+    log = (run_dir / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError) as error:
+        META.train(META.config(tmp_path, "train.steps=4", "train.seed=1", *settings))
+    assert str(error.value).startswith(f"{run_dir} holds the checkpoints of an earlier run (newest: step_00000006.pt); "
+                                       "continue it with --resume auto")
+    assert {p.name: p.read_bytes() for p in (run_dir / "checkpoints").iterdir()} == before
+    assert (run_dir / "metrics.jsonl").read_text() == log
+    META.train(META.config(tmp_path, "train.steps=8", "train.resume=auto", *settings))  # continuing it is fine
+    assert [row["step"] for row in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, 9))
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -127,15 +127,23 @@ def claim(run_dir: Path) -> Iterator[None]:
 def resume(resume: str | None, run_dir: Path) -> tuple[Path, dict] | None:
     """The checkpoint ``train.resume`` names and its verified state, or ``None`` (start from scratch).
 
-    ``None``: no resume. ``auto``: the newest intact checkpoint of ``run_dir`` (``None`` if it has
-    none yet). A folder: its newest intact checkpoint. A file: that checkpoint. A damaged
-    checkpoint met on the way down a folder is skipped with a warning naming it.
+    ``None``: no resume, where ``run_dir`` holds no checkpoint yet. ``auto``: the newest intact
+    checkpoint of ``run_dir`` (``None`` if it has none yet). A folder: its newest intact checkpoint.
+    A file: that checkpoint. A damaged checkpoint met on the way down a folder is skipped with a
+    warning naming it.
 
     Raises:
-        ConfigError: the file or folder does not exist, or the folder holds no checkpoint.
+        ConfigError: the file or folder does not exist, or the folder holds no checkpoint; or no
+            resume in a run folder that holds an earlier run's checkpoints (a fresh run there would
+            leave them among its own: its pruning deletes its new ones, ``auto`` resumes theirs).
         CheckpointReadError: the file is damaged, or every checkpoint in the folder is.
     """
     if resume is None:
+        earlier = checkpoint.latest(run_dir / "checkpoints")
+        if earlier is not None:
+            raise ConfigError(f"{run_dir} holds the checkpoints of an earlier run (newest: {earlier.name}); continue "
+                              f"it with --resume auto (train.resume=auto), or choose another name, or delete "
+                              f"{earlier.parent} to start afresh")
         return None
     target = run_dir / "checkpoints" if resume == "auto" else Path(resume)
     if resume == "auto" or target.is_dir():
