@@ -20,6 +20,8 @@ EVERY_RECIPE = [
     (["model.attention_backend=blocked"], "model.attention_backend is now model.attention (auto, triton or "
                                           "blocked: flashbob's backend; or eager)"),
     (["model.backend=triton"], "model.backend is now part of model.attention (auto, triton or blocked"),
+    # a section given a value: the message was "bad config: None"
+    (["model=3"], "bad config: Merge error: int is not a subclass of "),
     # numpy's generators (task and data order) take no negative seed: it failed inside the run, naming no key
     (["train.seed=-1"], "train.seed must be >= 0, got -1"),
     (["name=${oc.env:FLASHBOB_UNSET_VARIABLE}"], ("bad config key 'name': KeyError raised while resolving "

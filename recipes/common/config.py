@@ -73,7 +73,7 @@ def load(schema: type, path: str | None, overrides: Iterable[str],
         OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as error:
         key = getattr(error, "full_key", None)
-        message = str(getattr(error, "msg", error)).splitlines()[0]
+        message = str(getattr(error, "msg", None) or error).splitlines()[0]  # msg is None for a merge error
         raise ConfigError(f"bad config key {key!r}: {message}" if key else f"bad config: {message}") from None
     validate(cfg)
     return cfg
