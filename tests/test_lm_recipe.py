@@ -312,6 +312,8 @@ def test_optimizer_weight_decay_in_kwargs_and_a_zero_width_mlp_are_refused():
     model = GPT(vocab_size=16, d_model=8, n_layers=1, n_heads=2)
     with pytest.raises(ValueError, match="build_optimizer: weight_decay goes in its weight_decay argument"):
         optimizers.build_optimizer(model, "sophiah", {}, {"weight_decay": 0.5}, 0.1, False)
+    with pytest.raises(ValueError, match="optimizer.kwargs: newtoncg .* takes no argument update_period; it takes lr"):
+        optimizers.build_optimizer(model, "newtoncg", {}, {"update_period": 3}, 0.1, False)  # was a raw TypeError
     groups = optimizers.build_optimizer(model, "sophiah", {}, {}, 0.5, False).param_groups
     assert [g["weight_decay"] for g in groups] == [0.5, 0.0]
     for make in (lambda: GPT(vocab_size=16, d_model=8, n_layers=1, n_heads=2, mlp="gelu", mlp_ratio=0.05),
