@@ -367,3 +367,25 @@ def test_binary_uint32_tokens_hold_vocabularies_above_65536(tmp_path):
     tokens.tofile(tmp_path / "tokens.bin")
     corpus = data.load_corpus("binary", str(tmp_path / "tokens.bin"), 0, 0.1, "uint32")
     assert int(corpus.train.max()) == 128_255 and len(corpus.train) + len(corpus.val) == 300
+
+
+@pytest.mark.parametrize(("warmup", "steps"), [(3, 10), (0, 6), (20, 200)])
+def test_lr_schedule_warms_up_and_ends_at_min_lr_ratio_on_the_last_step(warmup, steps):
+    """optimizer.warmup_steps / min_lr_ratio: linear warm-up to the peak, then a cosine that ends at min_lr_ratio * lr
+    on the last step (the lr it ran was 0.145 lr there for 10 steps with 3 of warm-up: the floor was reached only by
+    the scheduler's step after the last optimizer step)."""
+    from recipes.common.schedule import build_scheduler
+
+    weight = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([weight], lr=2.0)
+    scheduler, lrs = build_scheduler(opt, warmup, steps, 0.1), []
+    for _ in range(steps):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        scheduler.step()
+    assert lrs[0] == pytest.approx(2.0 / warmup if warmup else 2.0)
+    if warmup:
+        assert lrs[warmup - 1] == pytest.approx(2.0)
+    assert lrs[warmup] == pytest.approx(2.0) and max(lrs) == pytest.approx(2.0)
+    assert lrs[-1] == pytest.approx(0.2) and min(lrs[warmup:]) == pytest.approx(0.2)
+    assert all(a >= b for a, b in zip(lrs[warmup:], lrs[warmup + 1:]))

@@ -9,12 +9,14 @@ import torch
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float) -> Callable[[int], float]:
-    """Learning-rate multiplier: linear warm-up to 1 over ``warmup_steps``, then cosine to ``min_ratio``."""
+    """Learning-rate multiplier of step ``step`` (0-based): linear warm-up to 1 over ``warmup_steps``, then cosine
+    from 1 (step ``warmup_steps``) to ``min_ratio`` at the last step, ``total_steps - 1``."""
+    decay_steps = total_steps - 1 - warmup_steps
 
     def multiplier(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        progress = min(1.0, (step - warmup_steps) / decay_steps) if decay_steps > 0 else 0.0
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return multiplier
