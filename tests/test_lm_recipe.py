@@ -389,3 +389,27 @@ def test_lr_schedule_warms_up_and_ends_at_min_lr_ratio_on_the_last_step(warmup, 
     assert lrs[warmup] == pytest.approx(2.0) and max(lrs) == pytest.approx(2.0)
     assert lrs[-1] == pytest.approx(0.2) and min(lrs[warmup:]) == pytest.approx(0.2)
     assert all(a >= b for a, b in zip(lrs[warmup:], lrs[warmup + 1:]))
+
+
+def test_resume_with_more_steps_runs_the_new_schedule_from_its_first_step():
+    """README: on a resume train.steps and the warm-up may change. The scheduler restored only its step count, and the
+    optimizer state brought back the lr the saved schedule had set, so the first resumed step ran the old schedule's
+    lr (0.65 lr here instead of the new 0.998 lr) and only the next ones the new schedule's."""
+    from recipes.common.schedule import build_scheduler, warmup_cosine
+
+    def built(steps):
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+        return opt, build_scheduler(opt, 2, steps, 0.1)
+
+    opt, scheduler = built(10)
+    for _ in range(5):
+        opt.step()
+        scheduler.step()
+    state = run_folder.snapshot(optimizer=opt, scheduler=scheduler)
+    resumed, resumed_scheduler = built(100)
+    run_folder.restore(Path("step_5.pt"), state, optimizer=resumed, scheduler=resumed_scheduler)
+    assert resumed.param_groups[0]["lr"] == pytest.approx(2.0 * warmup_cosine(2, 100, 0.1)(5))
+    assert resumed_scheduler.get_last_lr() == [resumed.param_groups[0]["lr"]]
+    resumed.step()
+    resumed_scheduler.step()
+    assert resumed.param_groups[0]["lr"] == pytest.approx(2.0 * warmup_cosine(2, 100, 0.1)(6))
