@@ -413,3 +413,16 @@ def test_resume_with_more_steps_runs_the_new_schedule_from_its_first_step():
     resumed.step()
     resumed_scheduler.step()
     assert resumed.param_groups[0]["lr"] == pytest.approx(2.0 * warmup_cosine(2, 100, 0.1)(6))
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("model.dropout=1.0", r"model.dropout must be in \[0, 1\)"), ("model.dropout=1.5", r"model.dropout must be in \[0, 1\)"),
+    ("model.rope_base=0", "model.rope_base must be > 0"), ("model.rope_base=-10000", "model.rope_base must be > 0")])
+def test_dropout_of_one_and_a_non_positive_rope_base_are_refused(override, message):
+    """model.dropout=1 zeroed every attention and MLP output in training (the blocks did nothing, the run went on),
+    1.5 failed only when the model was built, in torch's words; rope_base 0 or below gave NaN rotary angles, seen
+    only as a non-finite loss at step 1. All were accepted by the config, against 'bad values are rejected with an
+    error naming the key'."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(str(LM.configs / "tiny.yaml"), [override])
+    load_config(str(LM.configs / "tiny.yaml"), ["model.dropout=0.5", "model.rope_base=1"])

@@ -126,7 +126,7 @@ CHOICES = {
     "data.binary_dtype": tuple(data.BINARY_DTYPES),
     "data.tokenizer": ("bytes", "bpe"),
 }
-POSITIVE = ("model.d_model", "model.n_layers", "model.n_heads", "model.mlp_ratio",
+POSITIVE = ("model.d_model", "model.n_layers", "model.n_heads", "model.mlp_ratio", "model.rope_base",
             "data.max_bytes", "data.context_length", "data.batch_size", "optimizer.lr", "train.steps",
             "train.grad_accum_steps", "train.eval_interval", "train.eval_batches")
 NON_NEGATIVE = ("optimizer.weight_decay", "optimizer.grad_clip", "optimizer.warmup_steps",
@@ -138,6 +138,8 @@ def validate(cfg: DictConfig) -> None:
     configs.check(cfg, CHOICES, POSITIVE, NON_NEGATIVE)
     m = cfg.model
     configs.check_head_dim(m)
+    if m.dropout >= 1:
+        raise ConfigError(f"model.dropout must be in [0, 1) (the probability of zeroing an output), got {m.dropout}")
     if m.n_kv_heads is not None and (m.n_kv_heads <= 0 or m.n_heads % m.n_kv_heads):
         raise ConfigError(
             f"model.n_heads ({m.n_heads}) must be a positive multiple of model.n_kv_heads ({m.n_kv_heads})"
