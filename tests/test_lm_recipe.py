@@ -426,3 +426,12 @@ def test_dropout_of_one_and_a_non_positive_rope_base_are_refused(override, messa
     with pytest.raises(ConfigError, match=message):
         load_config(str(LM.configs / "tiny.yaml"), [override])
     load_config(str(LM.configs / "tiny.yaml"), ["model.dropout=0.5", "model.rope_base=1"])
+
+
+def test_zero_or_negative_kv_heads_are_refused():
+    """n_kv_heads=0 was read as None (n_heads key/value heads: the model silently ran without grouped-query attention)
+    and -2 failed in torch with 'negative dimension'."""
+    for n_kv_heads in (0, -2):
+        with pytest.raises(ValueError, match=rf"n_heads \(4\) must be a positive multiple of n_kv_heads \({n_kv_heads}\)"):
+            GPT(vocab_size=16, d_model=16, n_layers=1, n_heads=4, n_kv_heads=n_kv_heads)
+    assert GPT(vocab_size=16, d_model=16, n_layers=1, n_heads=4).blocks[0].attn.n_kv_heads == 4

@@ -97,11 +97,11 @@ class AttentionSwitch:
 def kv_heads(d_model: int, n_heads: int, n_kv_heads: int | None) -> int:
     """The key/value heads (``None``: ``n_heads``), after checking that ``d_model`` is ``n_heads`` times an
     even head dimension (rotary embeddings turn channel pairs) and that they divide ``n_heads``."""
-    n_kv_heads = n_kv_heads or n_heads
+    n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
     if d_model % n_heads or (d_model // n_heads) % 2:
         raise ValueError(f"d_model ({d_model}) must be n_heads ({n_heads}) times an even head dimension")
-    if n_heads % n_kv_heads:
-        raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+    if n_kv_heads <= 0 or n_heads % n_kv_heads:
+        raise ValueError(f"n_heads ({n_heads}) must be a positive multiple of n_kv_heads ({n_kv_heads})")
     return n_kv_heads
 
 
