@@ -435,3 +435,12 @@ def test_zero_or_negative_kv_heads_are_refused():
         with pytest.raises(ValueError, match=rf"n_heads \(4\) must be a positive multiple of n_kv_heads \({n_kv_heads}\)"):
             GPT(vocab_size=16, d_model=16, n_layers=1, n_heads=4, n_kv_heads=n_kv_heads)
     assert GPT(vocab_size=16, d_model=16, n_layers=1, n_heads=4).blocks[0].attn.n_kv_heads == 4
+
+
+@pytest.mark.parametrize("betas", ["[0.9]", "[0.9,0.99,0.5]", "[0.9,1.0]"])
+def test_betas_other_than_two_numbers_in_0_1_are_refused(betas):
+    """optimizer.betas with three numbers ran AdamW on the first two without a word; one number failed at the build
+    with torch's 'tuple index out of range'."""
+    with pytest.raises(ConfigError, match=r"optimizer.betas must be two numbers in \[0, 1\) or null"):
+        load_config(str(LM.configs / "tiny.yaml"), [f"optimizer.betas={betas}"])
+    assert load_config(str(LM.configs / "tiny.yaml"), ["optimizer.betas=[0.9,0.95]"]).optimizer.betas == [0.9, 0.95]

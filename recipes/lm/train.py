@@ -170,6 +170,8 @@ def check_optimizer(cfg: DictConfig) -> None:
     if o.min_lr_ratio > 1:
         raise ConfigError(f"optimizer.min_lr_ratio must be in [0, 1] (the cosine decay ends at min_lr_ratio * lr), "
                           f"got {o.min_lr_ratio}")
+    if o.betas is not None and (len(o.betas) != 2 or not all(0 <= beta < 1 for beta in o.betas)):
+        raise ConfigError(f"optimizer.betas must be two numbers in [0, 1) or null, got {list(o.betas)}")
     recipe_set = sorted(set(o.kwargs) & {"params", "module", "distributed", "weight_decay"})
     if recipe_set:
         key = recipe_set[0]
