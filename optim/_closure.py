@@ -167,6 +167,15 @@ class SecondOrderOptimizer(Optimizer):
         pairs = [(p, group) for group in self.param_groups for p in group["params"] if p.requires_grad]
         return [p for p, _ in pairs], [group for _, group in pairs]
 
+    def _reached(
+        self, loss: Tensor, params: list[Tensor], groups: list[dict[str, Any]]
+    ) -> tuple[list[Tensor], list[dict[str, Any]], list[Tensor]]:
+        """The parameters that ``loss`` reaches (:func:`reached`, on any rank), their groups, and the others: a step
+        skips those as ``torch.optim`` skips a parameter whose ``p.grad`` is ``None`` (no update, decay or state)."""
+        mask = reached(loss, params, self.group)
+        kept = [(p, group) for p, group, r in zip(params, groups, mask, strict=True) if r]
+        return [p for p, _ in kept], [group for _, group in kept], [p for p, r in zip(params, mask) if not r]
+
     def _step_without_update(self, closure: Closure | None) -> Tensor | None:
         """A step with nothing to update: :func:`loss_without_update`, recorded in :attr:`stats`."""
         loss = loss_without_update(closure, self._owner, self.group)
@@ -266,6 +275,38 @@ def gradients(
     return torch.autograd.grad(
         loss, params, retain_graph=retain_graph, create_graph=create_graph, allow_unused=True, materialize_grads=True
     )
+
+
+def reached(loss: Tensor, params: Sequence[Tensor], group: _dist.Group = None) -> list[bool]:
+    """For each parameter, whether ``loss`` depends on it through its autograd graph, i.e. whether
+    ``loss.backward()`` would give it a gradient (a parameter it does not reach keeps ``p.grad`` ``None``, and
+    ``torch.optim`` optimizers skip it).
+
+    A walk over the nodes of the graph from ``loss`` (no arithmetic and, in one process, no host synchronisation).
+    A path through an operation whose backward returns no gradient (``None``) for that input still counts. With
+    ``group``, a parameter counts if it is reached on any rank (one all-reduce of ``len(params)`` numbers), so that
+    every rank keeps the same parameters and the averages pair the same tensors (a rank that does not reach it
+    contributes zeros).
+    """
+    targets: dict[Any, list[int]] = {}
+    for i, p in enumerate(params):
+        if p.requires_grad:
+            targets.setdefault(torch.autograd.graph.get_gradient_edge(p).node, []).append(i)
+    mask = [False] * len(params)
+    if loss.requires_grad and targets:
+        start = torch.autograd.graph.get_gradient_edge(loss).node
+        stack, seen, left = [start], {start}, len(targets)
+        while stack and left:
+            node = stack.pop()
+            if node in targets:
+                for i in targets[node]:
+                    mask[i] = True
+                left -= 1
+            for following, _ in node.next_functions:
+                if following is not None and following not in seen:
+                    seen.add(following)
+                    stack.append(following)
+    return _dist.on_any_rank(mask, params[0].device, group) if params else mask
 
 
 def finite_flag(*groups: Iterable[Tensor]) -> Tensor:
@@ -421,10 +462,13 @@ class GradientGraphHessian(CurvatureOperator):
         return _vjp(self._grads, self.params, vec, retain_graph=True)
 
 
-def store_grads(params: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
-    """Set ``p.grad`` to the (detached) gradients, for logging or clipping after the step."""
+def store_grads(params: Sequence[Tensor], grads: Sequence[Tensor], unreached: Iterable[Tensor] = ()) -> None:
+    """Set ``p.grad`` to the (detached) gradients, for logging or clipping after the step, and to ``None`` for the
+    ``unreached`` parameters (those the loss does not reach, as after ``zero_grad(); loss.backward()``)."""
     for p, g in zip(params, grads, strict=True):
         p.grad = g.detach()
+    for p in unreached:
+        p.grad = None
 
 
 def loss_hessian_for(spec: str | LossHessian, result: ClosureResult, ignore_index: int = -100) -> LossHessian:

@@ -34,8 +34,9 @@ class AdaHessian(_closure.SecondOrderOptimizer):
     ``step_skipped = 1``) when the loss, :math:`g_t` or :math:`D_t` is not finite, or when the
     update would write a non-finite parameter or state value; the constructor and
     ``add_param_group`` reject non-finite hyperparameters. With every parameter frozen, or none
-    holding a gradient, a step changes nothing and returns the closure's loss. Sparse gradients
-    are refused with an error.
+    holding a gradient, a step changes nothing and returns the closure's loss. A parameter the
+    closure's loss does not reach is skipped, as ``torch.optim`` skips one whose ``p.grad`` is
+    ``None``. Sparse gradients are refused with an error.
 
     Data parallel (``distributed``): each rank's closure returns the mean loss over its equal share
     of the batch, the probe :math:`z_t` is the same on every rank, and the optimizer averages over
@@ -108,8 +109,10 @@ class AdaHessian(_closure.SecondOrderOptimizer):
 
         With a closure (forward only, returning the loss or ``(loss, outputs)``) the optimizer
         takes the gradient with ``create_graph=True`` and the Hessian-vector product itself and
-        leaves the detached gradient in ``p.grad``. Without one, ``p.grad`` (parameters without
-        one are skipped) must come from ``loss.backward(create_graph=True)``.
+        leaves the detached gradient in ``p.grad``; a parameter the loss does not reach is skipped
+        (no update, decay or state; ``p.grad`` set to ``None``), as ``torch.optim`` skips one without
+        a gradient. Without one, ``p.grad`` (parameters without one are skipped) must come from
+        ``loss.backward(create_graph=True)``.
         """
         loss = None
         self.stats = dict(loss=float("nan"), hessian_trace=float("nan"), step_skipped=1.0)
@@ -120,9 +123,15 @@ class AdaHessian(_closure.SecondOrderOptimizer):
         if not params:
             return self._step_without_update(closure)
         _dist.check_alike(self.generator, params[0].device, self.group, self._owner)
+        unreached = []
         if closure is not None:
             result, loss, finite = self._evaluate_loss(closure)
             if not finite:
+                return loss
+            params, groups, unreached = self._reached(result.loss, params, groups)
+            if not params:  # the loss reaches no parameter: nothing to update
+                _closure.store_grads((), (), unreached)
+                self.stats.update(step_skipped=0.0)
                 return loss
             with torch.enable_grad(), _closure.graph_errors(self._owner):
                 operator = HessianOperator(result.loss, params)
@@ -143,7 +152,7 @@ class AdaHessian(_closure.SecondOrderOptimizer):
         del operator  # frees the gradient's graph (p.grad is replaced by the detached gradient below)
         averaged = _dist.all_average((*grads, *estimate), self.group)
         grads, estimate = averaged[: len(params)], averaged[len(params) :]
-        _closure.store_grads(params, grads)
+        _closure.store_grads(params, grads, unreached)
         if not _closure.all_finite(grads):
             _closure.warn_skipped(self._owner, "gradient")
             return loss

@@ -99,6 +99,18 @@ def average_loss(loss: Tensor, group: Group) -> Tensor:
     return all_average([loss.detach().reshape(1).clone()], group)[0].reshape(loss.shape)
 
 
+def on_any_rank(flags: Sequence[bool], device: torch.device, group: Group) -> list[bool]:
+    """For each flag, whether it is true on some rank of ``group``: one all-reduce of ``len(flags)`` numbers and a
+    host synchronisation (a collective: every rank must call this together); the flags as given when ``group`` is
+    ``None``."""
+    flags = list(flags)
+    if group is None or not flags:
+        return flags
+    counts = torch.tensor(flags, dtype=torch.float32, device=device)
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+    return (counts > 0).tolist()
+
+
 def shared_generator(device: torch.device, group: Group, *, per_rank: bool = False) -> torch.Generator:
     """A generator on ``device`` seeded from one seed drawn on the first rank of ``group``.
 

@@ -97,10 +97,13 @@ class NewtonCG(_closure.SecondOrderOptimizer):
 
     The closure runs the forward and returns the loss, ``(loss, outputs)`` or a dict (keys
     ``loss``, ``outputs``, ``targets``, ``loss_hessian``); it does not call ``backward``. The optimizer
-    sets ``p.grad`` to the gradient of the loss. With ``curvature_batch`` the closure takes one
-    argument, ``rows``, a ``slice`` of the batch's leading dimension: ``closure()`` is the whole
-    batch (gradient, trial points) and ``closure(slice(0, m))`` its first :math:`m` rows (curvature);
-    write it as ``def closure(rows=slice(None))`` and index the inputs and targets with ``rows``.
+    sets ``p.grad`` to the gradient of the loss. A parameter the loss does not reach (on any rank) is
+    left out of the step, as ``torch.optim`` skips one whose ``p.grad`` is ``None``: it is not in the
+    CG system, not moved or decayed, gets no state, and its ``p.grad`` is set to ``None``. With
+    ``curvature_batch`` the closure takes one argument, ``rows``, a ``slice`` of the batch's leading
+    dimension: ``closure()`` is the whole batch (gradient, trial points) and ``closure(slice(0, m))``
+    its first :math:`m` rows (curvature); write it as ``def closure(rows=slice(None))`` and index the
+    inputs and targets with ``rows``.
     With ``mode="forward"`` the optimizer runs the closure again with tangents attached to the
     parameters, through :func:`optim.functional` of ``module`` (which must hold the parameters and
     be deterministic: no dropout). After each step :attr:`stats` holds ``loss``,
@@ -293,7 +296,6 @@ class NewtonCG(_closure.SecondOrderOptimizer):
         if not params:
             self.stats = {}
             return self._step_without_update(closure)
-        lrs, wds = [group["lr"] for group in groups], [group["weight_decay"] for group in groups]
         global_state = self.state[self.param_groups[0]["params"][0]]
         global_state.setdefault("damping", float(settings["damping"]))
         damping = global_state["damping"]
@@ -307,8 +309,14 @@ class NewtonCG(_closure.SecondOrderOptimizer):
         )  # fmt: skip
         if not finite:
             return loss
+        params, groups, unreached = self._reached(result.loss, params, groups)
+        if not params:  # the loss reaches no parameter: nothing to solve for
+            _closure.store_grads((), (), unreached)
+            self.stats.update(step_skipped=0.0)
+            return loss
+        lrs, wds = [group["lr"] for group in groups], [group["weight_decay"] for group in groups]
         operator, grads = self._curvature(closure, result, rows, params, settings)
-        _closure.store_grads(params, grads)
+        _closure.store_grads(params, grads, unreached)
         g = tuple(sign * gi for gi in grads)
         if not _closure.all_finite(g):
             _closure.warn_skipped("NewtonCG", "gradient")

@@ -82,7 +82,9 @@ class _Sophia(_closure.SecondOrderOptimizer):
     the update would write a non-finite parameter or state value (e.g. a learning rate set to
     NaN by a scheduler; the constructor and ``add_param_group`` reject non-finite
     hyperparameters). With every parameter frozen, or none holding a gradient, a step changes
-    nothing and returns the closure's loss. Sparse gradients are refused with an error.
+    nothing and returns the closure's loss. With a closure, a parameter its loss does not reach (on any
+    rank) is skipped as one without ``p.grad`` is without a closure and in ``torch.optim``: no update, no
+    weight decay, no state, ``p.grad`` set to ``None``. Sparse gradients are refused with an error.
 
     Data parallel (``distributed``): each rank's closure returns the mean loss over its equal share
     of the batch; the optimizer averages the loss, the gradient and the fresh estimate
@@ -121,6 +123,7 @@ class _Sophia(_closure.SecondOrderOptimizer):
         self.hessian_batch = hessian_batch
         self._refresh_requested = False  # update_hessian was called since the last step
         self._pending_refresh = False  # ... and refreshed h
+        self._unreached: set[int] = set()  # ids of the parameters the last closure's loss did not reach
 
     def _global(self) -> dict[str, Any]:
         """State shared by all parameters, kept (as in ``torch.optim.LBFGS``) in the first parameter's state."""
@@ -151,9 +154,10 @@ class _Sophia(_closure.SecondOrderOptimizer):
         """One Sophia step; returns the closure's loss (``None`` without a closure).
 
         With a closure (which runs the forward and returns what the subclass needs, without
-        calling backward) the optimizer takes the gradient itself, and every ``update_period``-th
-        step (the first included) refreshes :math:`h`: from the same forward, or with ``hessian_batch``
-        from ``closure(rows)``, the first rows of the batch. Without one it uses
+        calling backward) the optimizer takes the gradient itself (parameters the loss does not reach
+        are skipped), and every ``update_period``-th step (the first included) refreshes :math:`h`:
+        from the same forward, or with ``hessian_batch`` from ``closure(rows)``, the first rows of the
+        batch. Without one it uses
         ``p.grad`` from the caller's ``loss.backward()`` (parameters without a gradient are
         skipped) and the estimate from the last :meth:`update_hessian` (SophiaH also takes it
         from the graph of ``p.grad`` after ``loss.backward(create_graph=True)``).
@@ -170,11 +174,15 @@ class _Sophia(_closure.SecondOrderOptimizer):
         if not params:
             return self._step_without_update(closure)
         count = self._global().get("step", 0)
-        due = self._due(params, groups)
-        loss, estimate = None, None
+        loss, estimate, unreached = None, None, []
         if closure is not None:
-            loss, grads, estimate = self._closure_step(closure, params, groups, any(due))
+            loss, params, groups, unreached, due, grads, estimate = self._closure_step(closure, params, groups)
+            if not params:  # the loss reaches no parameter: nothing to update
+                _closure.store_grads((), (), unreached)
+                self.stats.update(loss=float(loss), step_skipped=0.0)
+                return loss
         else:
+            due = self._due(params, groups)
             grads, estimate = self._grads_without_closure(params, groups, any(due), first=count == 0)
         estimate = tuple(e if d and e is not None else None for e, d in zip(estimate or (None,) * len(params), due))
         update = self._propose_all(params, groups, grads, estimate)
@@ -190,7 +198,7 @@ class _Sophia(_closure.SecondOrderOptimizer):
         failed = iter(cause for cause, ok in zip((c for c, t in checks.items() if t), finite) if not ok)
         cause = next(failed, None)
         if cause != "loss":
-            _closure.store_grads(params, grads)
+            _closure.store_grads(params, grads, unreached)
         if cause is not None:
             _closure.warn_skipped(self._owner, cause)
             return loss
@@ -207,13 +215,23 @@ class _Sophia(_closure.SecondOrderOptimizer):
         return loss
 
     def _closure_step(
-        self, closure: _closure.Closure, params: list[Tensor], groups: list[dict[str, Any]], refresh: bool
-    ) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...] | None]:
-        """The loss of ``closure()``, its gradient and, on a refresh step, :math:`\\hat h`; rank averages."""
+        self, closure: _closure.Closure, params: list[Tensor], groups: list[dict[str, Any]], refresh: bool = True
+    ) -> tuple[Tensor, list[Tensor], list[dict[str, Any]], list[Tensor], list[bool], tuple[Tensor, ...],
+               tuple[Tensor, ...] | None]:  # fmt: skip
+        """The loss of ``closure()`` (rank average); the parameters it reaches (on any rank), their groups, the
+        parameters it does not reach (skipped, as ``torch.optim`` skips one without a gradient), and for the
+        reached ones whether each is due (none unless ``refresh``), the gradient and, on a refresh step,
+        :math:`\\hat h`; rank averages."""
         result = _closure.evaluate(closure, self._owner)
         loss = _dist.average_loss(result.loss.detach(), self.group)
+        params, groups, unreached = self._reached(result.loss, params, groups)
+        self._unreached = {id(p) for p in unreached}
+        due = self._due(params, groups) if refresh else [False] * len(params)
+        if not params:
+            return loss, params, groups, unreached, due, (), None
         with torch.enable_grad(), _closure.graph_errors(self._owner):
-            return loss, *self._gradient_and_estimate(closure, result, params, groups, refresh)
+            grads, estimate = self._gradient_and_estimate(closure, result, params, groups, any(due))
+        return loss, params, groups, unreached, due, grads, estimate
 
     def _gradient_and_estimate(
         self, closure: _closure.Closure, result: _closure.ClosureResult, params: list[Tensor],
@@ -238,13 +256,16 @@ class _Sophia(_closure.SecondOrderOptimizer):
         """For each parameter, whether the next step refreshes its :math:`h` (not if :meth:`update_hessian` just did):
         on its group's schedule, or because it has no :math:`h` yet (a group added, or a parameter unfrozen, after
         the first step), so that it does not take clipped sign steps on :math:`h = 0` until its group's next refresh.
+        A parameter that the last closure's loss did not reach (skipped, so still without :math:`h`) is not due for
+        that reason: a parameter the loss never reaches would otherwise make every step a refresh step.
         """
         count = self._global().get("step", 0)
         return [
             not self._refresh_requested
-            and (count % group["update_period"] == 0 or "hessian" not in self.state.get(p, {}))
+            and (count % group["update_period"] == 0
+                 or ("hessian" not in self.state.get(p, {}) and id(p) not in self._unreached))
             for p, group in zip(params, groups)
-        ]
+        ]  # fmt: skip
 
     @property
     def refreshes_next_step(self) -> bool:
@@ -379,10 +400,9 @@ class SophiaH(_Sophia):
 
     In a loop that calls ``backward`` itself, either keep the gradient's graph, as other Sophia-H
     and AdaHessian packages do: on refresh steps :meth:`step` takes :math:`H u` through the graph
-    of ``p.grad`` (the same estimate as the closure's, probe for probe, where the loss uses every parameter:
-    with a closure a trainable parameter the loss does not use gets a zero gradient, so weight decay and
-    momentum still move it and it takes its probe; in this loop, as in ``torch.optim``, a parameter whose
-    ``p.grad`` is ``None`` is skipped), then detaches ``p.grad``::
+    of ``p.grad`` (the same estimate as the closure's, probe for probe: in both, as in ``torch.optim``, a
+    parameter the loss does not reach, whose ``p.grad`` is ``None``, is skipped and takes no probe), then
+    detaches ``p.grad``::
 
         loss_fn(model(x), y).backward(create_graph=True)   # create_graph needed on refresh steps only
         opt.step()
@@ -477,10 +497,11 @@ class SophiaH(_Sophia):
         _closure.check_dense(self._owner, operator.gradient)
         return operator
 
-    def _forward_operator(self, call: _closure.Closure, params: list[Tensor], rows: list | None = None
-                          ) -> HessianOperator:  # fmt: skip
+    def _forward_operator(self, call: _closure.Closure, params: list[Tensor], rows: list | None = None,
+                          reached: list | None = None) -> HessianOperator:  # fmt: skip
         """Forward-over-reverse products of ``call()``'s loss: ``call`` runs again with tangents on the parameters;
-        ``rows`` (a list) receives the batch rows of each run (``stats["hessian_rows"]``)."""
+        ``rows`` (a list) receives the batch rows of each run (``stats["hessian_rows"]``), ``reached`` (a list)
+        which parameters the first run's loss reaches on any rank (:func:`optim._closure.reached`)."""
 
         def loss() -> Tensor:
             result = _closure.parse(call(), self._owner)
@@ -489,19 +510,38 @@ class SophiaH(_Sophia):
                 rows.append(_closure.curvature_rows(self._owner, "hessian_batch", None, result, call)[1])
             return result.loss
 
-        return HessianOperator(functional(self.module, loss, params), params, mode="forward")
+        run = functional(self.module, loss, params)
 
-    def _closure_step(self, closure, params, groups, refresh):
+        def tracked(values: list[Tensor]) -> Tensor:
+            value = run(values)
+            if reached is not None and not reached:
+                reached.append(_closure.reached(value, values, self.group))
+            return value
+
+        return HessianOperator(tracked, params, mode="forward")
+
+    def _closure_step(self, closure, params, groups, refresh=True):
         """In forward mode a refresh on the whole batch runs no pass of its own for the loss and gradient: they
-        are the values of the first probe's forward-over-reverse pass (whose tangents give :math:`H u`)."""
-        if self.mode == "reverse" or not refresh or self.hessian_batch is not None:
+        are the values of the first probe's forward-over-reverse pass (whose tangents give :math:`H u`). Which
+        parameters the loss reaches is then known only after that pass: whether the step refreshes is decided
+        on every trainable parameter (a parameter without :math:`h` that the last closure's loss did not reach
+        does not make it due), the probes cover them all, and the unreached ones are left out afterwards."""
+        if self.mode == "reverse" or self.hessian_batch is not None:
             return super()._closure_step(closure, params, groups, refresh)
-        rows = []
+        due = self._due(params, groups)
+        if not (refresh and any(due)):
+            return super()._closure_step(closure, params, groups, refresh=False)
+        rows, reached = [], []
         with torch.enable_grad(), _closure.graph_errors(self._owner):
-            operator = self._forward_operator(closure, params, rows)
+            operator = self._forward_operator(closure, params, rows, reached)
             grads, estimate = self._hutchinson(operator, groups, gradient=True)
         self.stats["hessian_rows"] = rows[0]
-        return _dist.average_loss(operator.value, self.group), grads, estimate
+        mask = reached[0]
+        unreached = [p for p, r in zip(params, mask) if not r]
+        self._unreached = {id(p) for p in unreached}
+        params, groups, due = ([x for x, r in zip(items, mask) if r] for items in (params, groups, due))
+        grads, estimate = (tuple(x for x, r in zip(items, mask) if r) for items in (grads, estimate))
+        return _dist.average_loss(operator.value, self.group), params, groups, unreached, due, grads, estimate
 
     def _estimate(self, result, call, params, groups):
         operator = self._reverse_operator(result.loss, params)  # forward mode takes _closure_step's path
@@ -538,6 +578,8 @@ class SophiaH(_Sophia):
     def update_hessian(self, loss: Tensor) -> None:
         r"""Refresh :math:`h` from a loss with its graph (kept, so ``loss.backward()`` may follow).
 
+        A parameter the loss does not reach keeps its :math:`h` (none if it has none), as :meth:`step` skips it.
+
         With ``maximize`` the estimate is that of :math:`-\text{loss}`. A non-finite estimate is
         discarded with a warning.
 
@@ -554,8 +596,8 @@ class SophiaH(_Sophia):
         if not loss.requires_grad:
             raise RuntimeError("SophiaH.update_hessian: the loss has no autograd graph (call it before backward)")
         self._check_reverse("update_hessian(loss)")
-        params, groups = self._trainable()
-        if not params:  # every parameter frozen: nothing to refresh
+        params, groups, _ = self._reached(loss, *self._trainable())
+        if not params:  # every parameter frozen, or none reached: nothing to refresh
             return
         with torch.enable_grad(), _closure.graph_errors(self._owner):
             _, estimate = self._hutchinson(self._reverse_operator(loss, params), groups)
@@ -782,6 +824,8 @@ class SophiaG(_Sophia):
     def update_hessian(self, logits: Tensor, targets: Tensor | None = None) -> None:
         """Refresh :math:`h` from logits with their graph (kept, so ``loss.backward()`` may follow).
 
+        A parameter the logits do not reach keeps its :math:`h` (none if it has none), as :meth:`step` skips it.
+
         Args:
             logits: Model outputs, classes in the last dimension.
             targets: Optional labels shaped like ``logits`` without its last dimension; rows equal
@@ -795,8 +839,8 @@ class SophiaG(_Sophia):
         self._counted_rows(logits, targets)
         if not logits.requires_grad:
             raise RuntimeError("SophiaG.update_hessian: the logits have no autograd graph (call it before backward)")
-        params, groups = self._trainable()
-        if not params:  # every parameter frozen: nothing to refresh
+        params, groups, _ = self._reached(logits, *self._trainable())
+        if not params:  # every parameter frozen, or none reached: nothing to refresh
             return
         with torch.enable_grad():
             estimate = self._bartlett(logits, targets, params)

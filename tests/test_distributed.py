@@ -100,12 +100,39 @@ def _optimizer_worker(rank: int, init_file: str, out_dir: str) -> None:
         results = {name: run_case(factory, steps, rank, WORLD, True)
                    for name, (factory, steps) in {**CASES, **REPLICATED}.items()}
         results["mismatched"] = {name: mismatched_error(factory, rank) for name, factory in MISMATCHED.items()}
+        results["partly_reached"] = {name: partly_reached(factory, [rank]) for name, factory in PARTLY.items()}
         bartlett = NewtonCG([torch.nn.Parameter(torch.zeros(2))], preconditioner="bartlett", distributed=True)
         results["label_state"] = bartlett._label_generator().get_state()
         results["probe_state"] = bartlett.generator.get_state()
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+# A parameter the loss reaches on one rank only: it counts on every rank (its gradient is the average of the rank's
+# and zeros), so that the ranks average the same tensors and stay replicated.
+PARTLY = {
+    "sophiah": lambda p, g, d: SophiaH(p, lr=2e-2, update_period=2, weight_decay=0.1, generator=g, distributed=d),
+    "newtoncg": lambda p, g, d: NewtonCG(p, preconditioner="hutchinson", max_cg_iters=3, weight_decay=0.1,
+                                         generator=g, distributed=d),
+    "adahessian": lambda p, g, d: AdaHessian(p, lr=5e-2, weight_decay=0.1, generator=g, distributed=d),
+}
+
+
+def partly_reached(factory, ranks: list[int]) -> dict:
+    """Two steps on the mean of the losses of ``ranks`` (this rank's alone when distributed), where ``b`` enters the
+    loss of rank 0 only and ``c`` no loss: ``a``, ``b``, ``c``, their gradients and which have state."""
+    a, b, c = (torch.nn.Parameter(torch.linspace(-1, 1, 3, dtype=torch.float64) + i) for i in range(3))
+    opt = factory([a, b, c], torch.Generator().manual_seed(5), len(ranks) == 1)
+
+    def closure():
+        losses = [(a.sin() * (r + 1)).sum() + a.square().sum() + (b.cos().sum() if r == 0 else 0) for r in ranks]
+        return sum(losses) / len(losses)
+
+    for _ in range(2):
+        opt.step(closure)
+    return {"params": [p.detach().clone() for p in (a, b, c)], "grads": [p.grad for p in (a, b, c)],
+            "state": [bool(opt.state.get(p)) for p in (b, c)]}
 
 
 def mismatched_error(factory, rank: int) -> str | None:
@@ -154,6 +181,20 @@ def test_probe_generators_that_differ_between_ranks_are_refused(two_rank_results
     for rank in two_rank_results:
         for name, error in rank["mismatched"].items():
             assert error is not None and "the probe generator is in another state on some rank" in error, name
+
+
+@pytest.mark.parametrize("name", sorted(PARTLY))
+def test_a_parameter_reached_on_one_rank_counts_on_every_rank(name, two_rank_results):
+    """A parameter the closure's loss does not reach is skipped (as torch.optim skips a None p.grad); distributed,
+    one reached on some rank is kept on all, with the whole batch's gradient, as one process on both losses."""
+    single = partly_reached(PARTLY[name], [0, 1])
+    first, second = (result["partly_reached"][name] for result in two_rank_results)
+    for ours in (first, second):
+        for mine, theirs in zip(ours["params"] + ours["grads"][:2], single["params"] + single["grads"][:2]):
+            torch.testing.assert_close(mine, theirs, rtol=TOL, atol=TOL)
+        assert ours["grads"][2] is None and ours["state"] == [True, False]
+        assert torch.equal(ours["params"][2], torch.linspace(-1, 1, 3, dtype=torch.float64) + 2)
+    assert all(torch.equal(x, y) for x, y in zip(first["params"], second["params"]))
 
 
 def test_newton_cg_bartlett_labels_are_drawn_independently_per_rank(two_rank_results):

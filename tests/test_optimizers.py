@@ -860,3 +860,168 @@ def test_complex_parameters_are_refused(name):
     with pytest.raises(TypeError, match="does not support complex parameters"):
         opt.add_param_group({"params": iter([c])})
     assert len(opt.param_groups) == 1
+
+
+# ------------------------------------------------------------------------- parameters the loss does not reach
+
+
+class WithUnused(nn.Module):
+    """``MLP([4, 6, 3])`` and a parameter the forward does not use (``uses`` turns it on: it then adds
+    ``0.1 * tanh(extra).sum()`` to the logits), registered between the layers or last (not first: the optimizers
+    keep their step count in the first parameter's state)."""
+
+    def __init__(self, last: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(4, 6, dtype=DTYPE)
+        holder = nn.Module()
+        holder.extra = nn.Parameter(torch.randn(5, dtype=DTYPE))
+        if not last:
+            self.holder = holder
+        self.second = nn.Linear(6, 3, dtype=DTYPE)
+        if last:
+            self.holder = holder
+        self.uses = False
+
+    @property
+    def extra(self) -> nn.Parameter:
+        return self.holder.extra
+
+    def forward(self, x: Tensor) -> Tensor:
+        logits = self.second(torch.tanh(self.first(x)))
+        return logits + 0.1 * torch.tanh(self.extra).sum() if self.uses else logits
+
+
+def unused_problem(last: bool = False):
+    model = WithUnused(last)
+    x, y = torch.randn(10, 4, dtype=DTYPE), torch.randint(0, 3, (10,))
+    return model, x, y
+
+
+def make_decayed(name: str, params, **kwargs):
+    seeded = torch.Generator().manual_seed(3)
+    return {
+        "newton_ggn": lambda: NewtonCG(params, preconditioner="hutchinson", max_cg_iters=5, weight_decay=0.1,
+                                       generator=seeded, **kwargs),
+        "newton_hessian": lambda: NewtonCG(params, curvature="hessian", preconditioner="squared_gradients",
+                                           max_cg_iters=5, weight_decay=0.1, **kwargs),
+        "sophia_h": lambda: SophiaH(params, lr=1e-2, update_period=2, weight_decay=0.2, generator=seeded, **kwargs),
+        "sophia_g": lambda: SophiaG(params, lr=1e-2, update_period=2, weight_decay=0.2, generator=seeded, **kwargs),
+        "adahessian": lambda: AdaHessian(params, lr=1e-2, weight_decay=0.2, generator=seeded, **kwargs),
+    }[name]()
+
+
+def closure_of(model, x, y):
+    return lambda: (F.cross_entropy(model(x), y), model(x))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_parameter_the_closure_loss_does_not_reach_is_skipped_as_torch_optim_skips_it(name):
+    """With a closure, a trainable parameter the loss does not use was given a zero gradient: weight decay moved
+    it, it got optimizer state and p.grad = 0 (torch.optim skips it: no grad). Now it is left out of the step, and
+    the others step exactly as with the parameter not given to the optimizer at all (same probes, same CG)."""
+    results = []
+    for listed in (True, False):
+        model, x, y = unused_problem()
+        reached = [*model.first.parameters(), *model.second.parameters()]
+        params = list(model.parameters()) if listed else reached
+        opt = make_decayed(name, params)
+        extra = model.extra.detach().clone()
+        for _ in range(3):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                opt.step(closure_of(model, x, y))
+            assert opt.stats["step_skipped"] == 0.0
+        assert torch.equal(model.extra, extra) and model.extra.grad is None and not opt.state.get(model.extra)
+        assert all(p.grad is not None for p in params if p is not model.extra)
+        results.append(flat(model))
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("name", ["sophia_h", "sophia_g", "adahessian"])
+def test_closure_and_plain_loop_agree_on_a_parameter_the_loss_reaches_on_some_steps_only(name):
+    """The closure and ``loss.backward(); opt.step()`` give identical parameters and state with weight decay when
+    a parameter is unused (on every step, or on some: skipped on those, as torch.optim skips a None p.grad)."""
+    schedules = [[False] * 3, [True, False, True, False, False], [False, True, False, True, True]]
+    for schedule in schedules[:2] if name == "sophia_g" else schedules:  # SophiaG's loop refreshes when told
+        results = []
+        for mode in ("closure", "plain"):
+            model, x, y = unused_problem()
+            opt = make_decayed(name, model.parameters())
+            history = []
+            for step, uses in enumerate(schedule):
+                model.uses = uses
+                before = model.extra.detach().clone(), copy.deepcopy(opt.state.get(model.extra, {}))
+                if mode == "closure":
+                    opt.step(closure_of(model, x, y))
+                else:
+                    opt.zero_grad()
+                    logits = model(x)
+                    loss = F.cross_entropy(logits, y)
+                    if name == "sophia_g" and step % 2 == 0:
+                        opt.update_hessian(logits)
+                    loss.backward(create_graph=name != "sophia_g")
+                    opt.step()
+                if not uses:
+                    assert model.extra.grad is None and torch.equal(model.extra, before[0])
+                    after = opt.state.get(model.extra, {})
+                    assert after.keys() == before[1].keys()
+                    assert all(torch.equal(torch.as_tensor(after[k]), torch.as_tensor(v)) for k, v in before[1].items())
+                history.append(opt.stats.get("hessian_refreshed"))
+            state = [opt.state[p] for p in model.parameters() if p in opt.state]
+            results.append((flat(model), state, history))
+        torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-12, atol=1e-14)
+        assert results[0][2] == results[1][2]
+        assert len(results[0][1]) == len(results[1][1])
+        for closure_state, plain_state in zip(results[0][1], results[1][1]):
+            assert closure_state.keys() == plain_state.keys()
+            for key, value in closure_state.items():
+                torch.testing.assert_close(plain_state[key], value, rtol=1e-12, atol=1e-14)
+
+
+def test_sophia_h_forward_mode_skips_an_unreached_parameter_and_keeps_the_reached_estimate():
+    """Forward mode learns which parameters the loss reaches from the first probe's pass; its probes cover every
+    parameter, so with the unused one last the reached ones see, on the first refresh, the probes of a reverse-mode
+    run without it (the next refresh's differ: the unused one's draws advanced the generator)."""
+    results = []
+    for mode in ("forward", "reverse"):
+        model, x, y = unused_problem(last=True)
+        reached = [*model.first.parameters(), *model.second.parameters()]
+        params = list(model.parameters()) if mode == "forward" else reached
+        opt = SophiaH(params, lr=1e-2, update_period=2, weight_decay=0.2, distribution="rademacher",
+                      generator=torch.Generator().manual_seed(3), mode=mode, module=model)
+        extra = model.extra.detach().clone()
+        refreshed = []
+        for _ in range(2):
+            opt.step(lambda: F.cross_entropy(model(x), y))
+            refreshed.append(opt.stats["hessian_refreshed"])
+        assert refreshed == [1.0, 0.0] and opt.refreshes_next_step
+        assert torch.equal(model.extra, extra) and model.extra.grad is None and not opt.state.get(model.extra)
+        results.append(flat(model))
+    torch.testing.assert_close(results[0], results[1], rtol=1e-12, atol=1e-14)
+
+
+def test_sophia_a_parameter_never_reached_does_not_make_every_step_a_refresh():
+    model, x, y = unused_problem()
+    opt = SophiaH(model.parameters(), lr=1e-2, update_period=3)
+    refreshed = []
+    for _ in range(6):
+        refreshed.append(opt.refreshes_next_step)
+        opt.step(lambda: F.cross_entropy(model(x), y))
+        assert opt.stats["hessian_refreshed"] == refreshed[-1]
+    assert refreshed == [True, False, False, True, False, False]
+
+
+def test_newton_cg_step_with_an_unreached_parameter_matches_the_closed_form(gen):
+    """On a quadratic of two tensors and a third it does not use, with weight decay: one exact damped Newton step
+    of the two, :math:`(1 - \\eta \\lambda)\\theta + \\eta x`, :math:`A x = b - A\\theta`; the third unchanged."""
+    a, b = spd(5, gen), torch.randn(5, dtype=DTYPE, generator=gen)
+    first, second = split(torch.randn(5, dtype=DTYPE, generator=gen), (2, 3))
+    unused = torch.randn(4, dtype=DTYPE, generator=gen).requires_grad_()
+    theta, kept = torch.cat([first, second]).detach(), unused.detach().clone()
+    opt = NewtonCG([first, unused, second], lr=0.5, weight_decay=0.3, max_cg_iters=20, **EXACT)
+    opt.step(lambda: quadratic(a, b, [first, second]))
+    expected = (1 - 0.5 * 0.3) * theta + 0.5 * torch.linalg.solve(a, b - a @ theta)
+    torch.testing.assert_close(torch.cat([first, second]).detach(), expected, rtol=1e-10, atol=1e-12)
+    assert torch.equal(unused, kept) and unused.grad is None and not opt.state.get(unused)
