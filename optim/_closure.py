@@ -176,6 +176,22 @@ class SecondOrderOptimizer(Optimizer):
         kept = [(p, group) for p, group, r in zip(params, groups, mask, strict=True) if r]
         return [p for p, _ in kept], [group for _, group in kept], [p for p, r in zip(params, mask) if not r]
 
+    def _with_grad(
+        self, params: list[Tensor], groups: list[dict[str, Any]]
+    ) -> tuple[list[Tensor], list[dict[str, Any]]]:
+        """The parameters that hold a ``p.grad`` (a step without a closure skips the others), and their groups.
+
+        Distributed, those that hold one on any rank (one all-reduce of one number per parameter tensor): a rank
+        whose ``p.grad`` is ``None`` there gets zeros, its share of the average. Each rank keeping its own ones
+        made :func:`~optim.distributed.all_average` pair different parameters (silently where sizes matched).
+        """
+        mask = _dist.on_any_rank([p.grad is not None for p in params], params[0].device, self.group) if params else []
+        for p, anywhere in zip(params, mask):
+            if anywhere and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        kept = [(p, group) for p, group, anywhere in zip(params, groups, mask, strict=True) if anywhere]
+        return [p for p, _ in kept], [group for _, group in kept]
+
     def _step_without_update(self, closure: Closure | None) -> Tensor | None:
         """A step with nothing to update: :func:`loss_without_update`, recorded in :attr:`stats`."""
         loss = loss_without_update(closure, self._owner, self.group)

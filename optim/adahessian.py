@@ -42,7 +42,9 @@ class AdaHessian(_closure.SecondOrderOptimizer):
     of the batch, the probe :math:`z_t` is the same on every rank, and the optimizer averages over
     the ranks the loss (a scalar) and, in one all-reduce of :math:`2n` elements, :math:`g_t` and
     :math:`D_t`: the whole batch's values, so the state stays the same on every rank. Without a
-    closure the same holds for ``p.grad`` (whether or not DDP averaged it already).
+    closure the same holds for ``p.grad`` (whether or not DDP averaged it already); a parameter with
+    a ``p.grad`` on some rank only counts on every rank, with zeros where it has none (one more
+    all-reduce, of one number per parameter tensor).
 
     Example:
         >>> opt = AdaHessian(model.parameters(), lr=0.15)
@@ -118,8 +120,7 @@ class AdaHessian(_closure.SecondOrderOptimizer):
         self.stats = dict(loss=float("nan"), hessian_trace=float("nan"), step_skipped=1.0)
         params, groups = self._trainable()
         if closure is None:
-            kept = [(p, group) for p, group in zip(params, groups) if p.grad is not None]
-            params, groups = [p for p, _ in kept], [group for _, group in kept]
+            params, groups = self._with_grad(params, groups)
         if not params:
             return self._step_without_update(closure)
         _dist.check_alike(self.generator, params[0].device, self.group, self._owner)

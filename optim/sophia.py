@@ -91,7 +91,9 @@ class _Sophia(_closure.SecondOrderOptimizer):
     :math:`\hat h` over the ranks (one all-reduce of :math:`n` elements per step, :math:`2n` on
     refresh steps, plus a scalar for the loss), so :math:`m`, :math:`h` and the parameters stay the
     same on every rank. Without a closure, ``p.grad`` is averaged too (redundant, but harmless, if
-    a DDP-wrapped model's ``backward`` already did it).
+    a DDP-wrapped model's ``backward`` already did it); a parameter with a ``p.grad`` on some rank only
+    counts on every rank, with zeros where it has none (one more all-reduce, of one number per
+    parameter tensor).
     """
 
     _owner = "Sophia"
@@ -167,8 +169,7 @@ class _Sophia(_closure.SecondOrderOptimizer):
         """
         params, groups = self._trainable()
         if closure is None:
-            kept = [(p, group) for p, group in zip(params, groups) if p.grad is not None]
-            params, groups = [p for p, _ in kept], [group for _, group in kept]
+            params, groups = self._with_grad(params, groups)
         self.stats = dict(loss=float("nan"), hessian_refreshed=0.0, hessian_rows=float("nan"),
                           unclipped_fraction=float("nan"), clip_fraction=float("nan"), step_skipped=1.0)  # fmt: skip
         if not params:

@@ -101,6 +101,7 @@ def _optimizer_worker(rank: int, init_file: str, out_dir: str) -> None:
                    for name, (factory, steps) in {**CASES, **REPLICATED}.items()}
         results["mismatched"] = {name: mismatched_error(factory, rank) for name, factory in MISMATCHED.items()}
         results["partly_reached"] = {name: partly_reached(factory, [rank]) for name, factory in PARTLY.items()}
+        results["plain_partly"] = {name: plain_partly(factory, [rank]) for name, factory in PLAIN.items()}
         bartlett = NewtonCG([torch.nn.Parameter(torch.zeros(2))], preconditioner="bartlett", distributed=True)
         results["label_state"] = bartlett._label_generator().get_state()
         results["probe_state"] = bartlett.generator.get_state()
@@ -133,6 +134,27 @@ def partly_reached(factory, ranks: list[int]) -> dict:
         opt.step(closure)
     return {"params": [p.detach().clone() for p in (a, b, c)], "grads": [p.grad for p in (a, b, c)],
             "state": [bool(opt.state.get(p)) for p in (b, c)]}
+
+
+# Without a closure: rank 0's loss gives a gradient to ``a`` only, rank 1's to ``b`` only (same shape). Each rank
+# averaged the parameters that held a p.grad on it: rank 0's a with rank 1's b, silently.
+PLAIN = {
+    "sophiah": lambda p, g, d: SophiaH(p, lr=2e-2, update_period=2, weight_decay=0.1, generator=g, distributed=d),
+    "adahessian": lambda p, g, d: AdaHessian(p, lr=5e-2, weight_decay=0.1, generator=g, distributed=d),
+}
+
+
+def plain_partly(factory, ranks: list[int]) -> dict:
+    """Two steps of ``loss.backward(create_graph=True); opt.step()`` on the mean of the losses of ``ranks`` (this
+    rank's alone when distributed): ``a``, ``b``, ``c`` and their gradients."""
+    a, b, c = (torch.nn.Parameter(torch.linspace(-1, 1, 3, dtype=torch.float64) + i) for i in range(3))
+    opt = factory([a, b, c], torch.Generator().manual_seed(5), len(ranks) == 1)
+    for _ in range(2):
+        opt.zero_grad()
+        losses = [(a.sin() + a.square()).sum() if r == 0 else (2 * b.cos() + b.square()).sum() for r in ranks]
+        (sum(losses) / len(losses)).backward(create_graph=True)
+        opt.step()
+    return {"params": [p.detach().clone() for p in (a, b, c)], "grads": [p.grad for p in (a, b, c)]}
 
 
 def mismatched_error(factory, rank: int) -> str | None:
@@ -194,6 +216,20 @@ def test_a_parameter_reached_on_one_rank_counts_on_every_rank(name, two_rank_res
             torch.testing.assert_close(mine, theirs, rtol=TOL, atol=TOL)
         assert ours["grads"][2] is None and ours["state"] == [True, False]
         assert torch.equal(ours["params"][2], torch.linspace(-1, 1, 3, dtype=torch.float64) + 2)
+    assert all(torch.equal(x, y) for x, y in zip(first["params"], second["params"]))
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("name", sorted(PLAIN))
+def test_without_a_closure_ranks_average_the_same_parameters_when_their_gradients_differ(name, two_rank_results):
+    """A parameter with a p.grad on one rank only is averaged with zeros from the others (as one process on both
+    losses), not paired with whatever parameter the other rank holds at that position."""
+    single = plain_partly(PLAIN[name], [0, 1])
+    first, second = (result["plain_partly"][name] for result in two_rank_results)
+    for ours in (first, second):
+        for mine, theirs in zip(ours["params"] + ours["grads"][:2], single["params"] + single["grads"][:2]):
+            torch.testing.assert_close(mine, theirs, rtol=TOL, atol=TOL)
+        assert ours["grads"][2] is None
     assert all(torch.equal(x, y) for x, y in zip(first["params"], second["params"]))
 
 
