@@ -337,3 +337,21 @@ def test_torchrun_second_order_optimizer_runs_replicated_with_one_wandb_run(tmp_
     saved = torch.load(tmp_path / "ddp" / "checkpoints" / "step_00000002.pt", weights_only=True)
     probe_states = [state["optimizer"] for state in saved["rng_ranks"]]
     assert probe_states[0] is not None and torch.equal(probe_states[0], probe_states[1]), "probes alike on all ranks"
+
+
+@pytest.mark.parametrize("recipe", ["meta", "ttt"])
+def test_one_process_recipes_started_as_several_are_refused(recipe, tmp_path, monkeypatch):
+    """recipes.meta and recipes.ttt train in one process. Under torchrun --nproc_per_node=2 each process ran the
+    whole recipe as rank 0 in the same run folder, and the second failed with 'in use by another run ...: wait for
+    it to end or choose another name', which another name does not cure; now both say what is wrong, before
+    touching the folder."""
+    import importlib
+
+    from recipes.common.config import ConfigError
+
+    train = importlib.import_module(f"recipes.{recipe}.train")
+    cfg = train.load_config(str(ROOT / f"configs/{recipe}/tiny.yaml"), [f"out_dir={tmp_path}", "train.steps=1"])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="trains in one process, but 2 were started"):
+        train.train(cfg)
+    assert not any(tmp_path.iterdir())

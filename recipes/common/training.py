@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from recipes.common import checkpoint, distributed, run_folder
-from recipes.common.config import resolve_device
+from recipes.common.config import ConfigError, resolve_device
 from recipes.common.logger import RunLogger
 
 Autocast = Callable[[], ContextManager]  # a fresh autocast context (or a null one) per call
@@ -73,8 +74,13 @@ def run(cfg: DictConfig, build: Build, *, data_parallel: bool = False) -> dict[s
     """Train the recipe ``build(device, autocast, ctx)`` makes, as ``cfg`` describes (its ``name``,
     ``out_dir``, ``train`` and ``logger`` settings); returns the last logged value of each metric.
 
-    With ``data_parallel`` the process joins the process group ``torchrun`` describes, if any.
+    With ``data_parallel`` the process joins the process group ``torchrun`` describes, if any. A recipe
+    without it runs in one process: started as several (``WORLD_SIZE`` > 1) it raises :class:`ConfigError`.
     """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if not data_parallel and world_size > 1:
+        raise ConfigError(f"this recipe trains in one process, but {world_size} were started (WORLD_SIZE, "
+                          "torchrun --nproc_per_node): launch it with python -m, or with --nproc_per_node=1")
     run_dir = Path(cfg.out_dir) / cfg.name
     device, autocast_dtype = resolve_device(cfg.train.device, cfg.train.dtype)
     ctx = distributed.setup(device.type) if data_parallel else distributed.Context(device=device)
