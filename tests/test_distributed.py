@@ -274,6 +274,19 @@ def test_rank_batches_are_slices_of_the_one_process_batch_and_cover_each_epoch_o
         data.Batches(tokens, 8, 8, seed=3, split="train").load_state_dict(ranks[0].state_dict())
 
 
+def test_a_validation_split_smaller_than_one_global_batch_is_not_evaluated_silently():
+    """Two ranks of batch 2 on a validation split of 3 windows: the one batch draws 4, so a window is counted twice
+    in the validation loss. With train.eval_batches=1 validation_batches said nothing; now it warns."""
+    from recipes.lm.train import validation_batches
+
+    tokens = np.arange(1 + 3 * 8, dtype=np.uint16)
+    ranks = [data.Batches(tokens, 8, 2, seed=1, split="validation", rank=r, world_size=2) for r in range(2)]
+    starts = torch.cat([b.get(0)[0][:, 0] for b in ranks]).tolist()
+    assert len(set(starts)) == 3 < len(starts), "one window twice"
+    with pytest.warns(RuntimeWarning, match="fewer than one batch of 4 .* counts some windows more than once"):
+        assert validation_batches(1, ranks[0].windows, 2 * 2) == 1
+
+
 # ------------------------------------------------------------------------------- recipe + torchrun
 
 MICRO = [

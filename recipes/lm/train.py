@@ -216,8 +216,14 @@ def evaluate(model: GPT, forward: optimizers.Forward, batches: data.Batches, n: 
 def validation_batches(eval_batches: int, windows: int, global_batch: int) -> int:
     """``train.eval_batches``, or fewer where the validation split holds fewer windows than they would draw
     (``eval_batches * global_batch``): then every window once (at least one batch), with a warning, not some
-    windows of a second pass counted twice in the mean."""
-    fits = max(1, windows // global_batch)
+    windows of a second pass counted twice in the mean. A split of fewer windows than one batch cannot be
+    evaluated once each: one batch, with a warning that it repeats some."""
+    if windows < global_batch:
+        warnings.warn(f"the validation split's {windows} windows are fewer than one batch of {global_batch} "
+                      "(data.batch_size x processes): the validation loss counts some windows more than once; "
+                      "raise data.val_fraction or lower data.batch_size", RuntimeWarning, stacklevel=2)
+        return 1
+    fits = windows // global_batch
     if eval_batches > fits:
         warnings.warn(f"train.eval_batches={eval_batches} x {global_batch} windows (data.batch_size x processes) "
                       f"exceed the validation split's {windows} windows; evaluating {fits} batch(es)",
