@@ -454,6 +454,22 @@ def test_tma_variant_falls_back_to_the_base_code(gen, monkeypatch):
     assert_matches_reference(outputs, inputs, COTANGENTS, causal=True, scale=0.3, tolerance=TOLERANCE[EXACT])
 
 
+def test_rows_expanded_to_stride_zero_run_the_base_code_and_stay_exact(gen):
+    """A matrix expanded along its rows (row stride 0, as an expanded tangent or cotangent can be) is not given to
+    a tensor descriptor, whose strides must be positive; expanded batch and head axes (they only move its start)
+    still are. Both give the outputs of the same values made contiguous."""
+    config = configs.BlockConfig(16, 16, 4, 1, "tma")
+    inputs = make_inputs(gen, (2, 2, 1, 19, 23, 16), EXACT)
+    contiguous = configs.variant_for("dq", config, (inputs["q"], inputs["k"], inputs["v"]))
+    inputs["do"] = inputs["do"][:, :, :1].expand_as(inputs["do"])  # row stride 0
+    inputs["v"] = inputs["v"][:1].expand_as(inputs["v"])  # batch stride 0
+    assert configs.variant_for("dq", config, (inputs["q"], inputs["k"], inputs["v"])) == contiguous
+    assert configs.variant_for("dq", config, (inputs["q"], inputs["k"], inputs["do"])) == "base"
+    with configs.override(block_m=16, block_n=16, variant="tma"):
+        outputs = run_kernels(inputs, COTANGENTS, causal=True, scale=0.3)
+    assert_matches_reference(outputs, inputs, COTANGENTS, causal=True, scale=0.3, tolerance=TOLERANCE[EXACT])
+
+
 def test_backward_is_two_launches_and_returns_delta(gen, monkeypatch):
     """The first-order backward launches dQ (which also writes delta = rowsum(dO ∘ O)) and then dK/dV, no delta
     kernel of its own; its delta is the float64 row dot product, in the accumulator dtype."""

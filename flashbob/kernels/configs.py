@@ -292,8 +292,9 @@ def variant_for(kernel: str, config: BlockConfig, descriptors: tuple[torch.Tenso
 def descriptors_usable(tensors: tuple[torch.Tensor, ...]) -> bool:
     """Whether tensor descriptors (TMA) can address every ``(B, H, rows, d)`` tensor of ``tensors``: on an NVIDIA
     GPU of compute capability 9 or more (or in Triton's interpreter, which emulates them), with 16-byte aligned
-    starts, unit stride along d and 16-byte multiples for the other strides (what TMA requires). ROCm GPUs,
-    which torch also calls ``cuda``, run the base code."""
+    starts, unit stride along d and 16-byte multiples for the other strides (what TMA requires), the rows'
+    not 0 (a matrix expanded along its rows: a descriptor's stride must be positive; the batch and head
+    strides only move its start). ROCm GPUs, which torch also calls ``cuda``, run the base code."""
     if not tensors:
         return False
     device = tensors[0].device
@@ -306,7 +307,7 @@ def descriptors_usable(tensors: tuple[torch.Tensor, ...]) -> bool:
         return False
     for x in tensors:  # plain loops: this runs at every launch of a kernel with the variant
         *outer, last = x.stride()
-        if last != 1 or x.data_ptr() % 16:
+        if last != 1 or x.data_ptr() % 16 or outer[-1] == 0:
             return False
         size = x.element_size()
         for stride in outer:
