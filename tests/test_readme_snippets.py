@@ -1,0 +1,76 @@
+"""Every Python block of README.md runs as written, in order, in one namespace, on the CPU.
+
+The blocks are fragments of a user's program: a short prelude per block supplies what the text leaves to the
+reader (a model, a batch, a direction), at toy sizes. A block edited in the README without its prelude still
+running here fails this test; a block added without a prelude fails it too (PRELUDES has one entry per block).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
+
+# The tiny GPT of the LM recipe, a batch of its tokens and a direction in parameter space.
+GPT_BATCH = """
+from recipes.lm.model import GPT
+torch.manual_seed(0)
+model = GPT(vocab_size=32, d_model=16, n_layers=1, n_heads=2, mlp="gelu")
+x, y = torch.randint(0, 32, (2, 12)), torch.randint(0, 32, (2, 12))
+params = list(model.parameters())
+vec = [torch.randn_like(p) for p in params]
+"""
+
+PRELUDES = [
+    "",  # the minimal example is whole
+    "q, k, v = (torch.randn(2, 4, 9, 8) for _ in range(3)); padding = torch.rand(2, 9) > 0.3; padding[:, 0] = True",
+    GPT_BATCH,
+    """
+from transformers import AutoModelForCausalLM, LlamaConfig
+config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+""",
+    "q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64) for _ in range(3))",
+    GPT_BATCH + """
+from torch import nn
+class LastPosition(nn.Module):  # curvlinops' CrossEntropyLoss wants (batch, classes) logits
+    def __init__(self, gpt):
+        super().__init__()
+        self.gpt = gpt
+    def forward(self, tokens):
+        return self.gpt(tokens)[:, -1]
+model = LastPosition(model)
+y = y[:, -1]
+v = torch.randn(sum(p.numel() for p in params))
+""",
+    GPT_BATCH + """
+import torch.nn.functional as F
+logits = model(x)
+targets = y
+loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+""",
+    GPT_BATCH,
+    "loader = [(x, y)] * 3",
+]
+
+
+def test_every_readme_python_block_runs():
+    blocks = PYTHON_BLOCK.findall(README.read_text())
+    assert len(blocks) == len(PRELUDES), (
+        f"README.md has {len(blocks)} Python blocks and this test {len(PRELUDES)} preludes: give the new block one"
+    )
+    pytest.importorskip("transformers")
+    pytest.importorskip("curvlinops")
+    namespace: dict = {"torch": torch}
+    for index, (prelude, block) in enumerate(zip(PRELUDES, blocks)):
+        try:
+            exec(prelude, namespace)
+            exec(block, namespace)
+        except Exception as error:
+            raise AssertionError(f"README.md's Python block {index} failed:\n{block}") from error
+    assert namespace["H"] is not None and namespace["gv"] is not None
