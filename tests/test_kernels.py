@@ -206,6 +206,16 @@ def test_key_mask_placeholder_is_made_once_and_never_written(gen):
     assert placeholder.dtype == torch.uint8 and placeholder.tolist() == [0]
 
 
+@pytest.mark.parametrize("mask", [[[0.5, 1.0, 1.0]], [[256, 1, 1]], [[1, 1, 1]]], ids=["float", "int64", "uint8"])
+def test_key_mask_of_another_dtype_is_refused(gen, mask):
+    """The kernels take a bool key mask (as flashbob.attention and the blocked backend): a cast of another dtype
+    to uint8 read 0.5 and 256 as 0, masking keys that are truthy, and gave a wrong output without an error."""
+    inputs = make_inputs(gen, (1, 1, 1, 4, 3, 16), EXACT)
+    key_mask = torch.tensor(mask, dtype=torch.uint8 if mask == [[1, 1, 1]] else None, device=DEVICE)
+    with pytest.raises(TypeError, match="key_mask must be a bool tensor"):
+        kernels.forward(inputs["q"], inputs["k"], inputs["v"], causal=False, scale=0.3, key_mask=key_mask)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("layout", ["transposed", "strided"])
 def test_non_contiguous_inputs(gen, layout, causal, small_tiles):
