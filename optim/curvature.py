@@ -332,10 +332,10 @@ def hvp(
     tangents attached (:func:`functional` makes one from a module and a closure), and every
     operation to have a forward-mode rule of its backward. No gradient graph is built; instead the
     forward pass keeps the tangent of every activation it saves (and PyTorch also records the tangent
-    computations), so what it saves depends on the model: on a small GPT with flashbob attention
-    20-25% less peak memory than reverse mode, with attention that materialises its scores about
-    40% more (docs/forward_mode.md). The FLOPs are about equal (attention: 48 against 52
-    :math:`NMd` per head).
+    computations), so what it saves depends on the model: about what reverse mode needs with flashbob
+    attention (1.01-1.02x on a 4-layer GPT on the H200; 0.75-1.0x on small GPTs on the CPU), about 40%
+    more with attention that materialises its scores, and about 1.6x with activation checkpointing
+    (docs/forward_mode.md). The FLOPs are about equal (attention: 48 against 52 :math:`NMd` per head).
 
     Args:
         loss: The scalar loss :math:`L(\theta)`: a tensor with an autograd graph to ``params``
