@@ -160,3 +160,24 @@ def test_packed_sequences_given_as_cu_seq_lens_are_kept_apart():
     naive = build("llama", "naive_test", torch.float64)
     want = torch.cat([naive(part[None]).logits[0] for part in packed[0].split(lengths)])
     assert (got - want).abs().max() < 1e-10
+
+
+def test_models_that_compute_attention_themselves_are_refused():
+    """transformers accepts any registered name for any model, also for those that never call the attention
+    interface (Bloom with ALiBi, XGLM, MegatronBERT, ...), and hands them the mask that 'bob' registered: an SDPA
+    mask (None for plain causal, else boolean) that they add to their scores as their own mask. Bloom and XGLM
+    attended to the future (logits 5e-3 off eager's), MegatronBERT attended to padding (9e-2 off), without a word.
+    Now the mask creation refuses them; models that use the interface keep working (the tests above)."""
+    ids, padding = batch()
+    tiny = {
+        "BloomForCausalLM": transformers.BloomConfig(vocab_size=64, hidden_size=16, n_layer=1, n_head=2),
+        "XGLMForCausalLM": transformers.XGLMConfig(vocab_size=64, d_model=16, num_layers=1, attention_heads=2,
+                                                   ffn_dim=32, max_position_embeddings=32),
+        "MegatronBertModel": transformers.MegatronBertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                                             num_attention_heads=2, intermediate_size=32),
+    }
+    for class_name, config in tiny.items():
+        model = getattr(transformers, class_name)._from_config(config, attn_implementation=huggingface.NAME).eval()
+        for mask in (None, padding):
+            with pytest.raises(ValueError, match="compute attention themselves, not through transformers' attention"):
+                model(ids, attention_mask=mask)

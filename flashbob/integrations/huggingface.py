@@ -18,6 +18,7 @@ exact fallback, with a one-time warning (or an error in strict mode).
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import torch
@@ -112,6 +113,36 @@ def _warn_no_attention_weights() -> None:
                   "returns None for them; use attn_implementation='eager' to get them", UserWarning, stacklevel=3)
 
 
+def flashbob_mask(*args, config=None, **kwargs) -> torch.Tensor | None:
+    """transformers' SDPA mask (boolean, or None for plain causal), for models whose attention goes through the
+    attention interface (and so reaches :func:`flashbob_attention_forward`).
+
+    Raises:
+        ValueError: the model computes attention itself (Bloom, MPT, XGLM, MegatronBERT, RoFormer, ImageGPT, ...):
+            transformers accepts any registered name for it, but it never calls flashbob and would read the SDPA
+            mask as its own additive mask (a boolean added to the scores, or no causal mask at all): silently wrong.
+    """
+    if config is not None and not _uses_attention_interface(type(config)):
+        name = getattr(config, "_attn_implementation", None) or NAME
+        family = type(config).__name__.removesuffix("Config")
+        raise ValueError(f"attn_implementation={name!r}: {family} models compute attention themselves, "
+                         f"not through transformers' attention interface, so they never call flashbob (and would read "
+                         f"its SDPA-style mask as their own); use attn_implementation='eager'")
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, config=config, **kwargs)
+
+
+def _uses_attention_interface(config_class: type) -> bool:
+    """False where the modeling module next to ``config_class``'s (``configuration_x`` -> ``modeling_x``) is loaded
+    and never looks up ``ALL_ATTENTION_FUNCTIONS``; True where it does, or where it cannot be told."""
+    module = config_class.__module__
+    if ".configuration_" not in module:
+        return True
+    modeling = sys.modules.get(module.replace(".configuration_", ".modeling_"))
+    return modeling is None or hasattr(modeling, "ALL_ATTENTION_FUNCTIONS")
+
+
 def _usable_name(name: str) -> bool:
     """False where transformers would take ``name`` for a FlashAttention kernel (names with "flash")."""
     try:
@@ -126,10 +157,10 @@ def register(name: str = NAME) -> list[str]:
     (default ``"bob"``) and, where the installed transformers allows it, ``"flashbob"``.
     Returns the names registered; pass one as ``attn_implementation``."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     names = [name] + (["flashbob"] if name != "flashbob" and _usable_name("flashbob") else [])
     for registered in names:
         AttentionInterface.register(registered, flashbob_attention_forward)
-        AttentionMaskInterface.register(registered, sdpa_mask)
+        AttentionMaskInterface.register(registered, flashbob_mask)
     return names
