@@ -84,6 +84,20 @@ def test_cg_negative_curvature_and_breakdown(gen):
     assert nan.status == "breakdown" and not nan.x[0].any() and nan.iterations == 1
 
 
+def test_cg_negative_curvature_on_the_first_iteration_takes_the_step_with_abs_curvature():
+    """p0^T A p0 < 0 at once: x1 = (r0^T r0 / |p0^T A p0|) b is taken (it decreases phi) and CG stops after one
+    product. Untested before: alpha = rz / pAp (a step uphill, x1 = -2/3 b here) and stopping before the first step
+    (x = 0) both went uncaught, the existing case finding negative curvature only on its second iteration."""
+    a = torch.diag(torch.tensor([-1.0, -2.0], dtype=DTYPE))
+    b = torch.tensor([1.0, 1.0], dtype=DTYPE)
+    result = cg(lambda v: (a @ v[0],), (b,), max_iter=10)
+    assert result.status == "negative_curvature" and result.iterations == 1
+    expected = (2.0 / 3.0) * b  # r0^T r0 = 2, p0^T A p0 = -3
+    torch.testing.assert_close(result.x[0], expected, rtol=1e-14, atol=0)
+    assert result.objective == pytest.approx(float(0.5 * expected @ a @ expected - b @ expected), rel=1e-12)
+    assert result.objective < 0
+
+
 def test_cg_refuses_an_uphill_warm_start_and_reports_convergence_on_its_last_iteration(gen):
     """A warm start with phi(x0) <= 0 but b^T x0 < 0 (possible under negative curvature) was kept, and CG returned a
     step uphill for b = -g (NewtonCG's Armijo test then let the loss rise); it now restarts from zero. CG that
