@@ -230,6 +230,29 @@ def test_newton_cg_without_line_search_warns_when_the_step_raises_the_loss(gen):
         assert (after > before) == rises and len(raised) == int(rises), (before, after, caught)
 
 
+@pytest.mark.parametrize(("theta0", "lr", "factor"), [
+    (0.5, 1.0, 2 / 3), (0.8, 1.0, 1.0), (1.3, 1.0, 3 / 2), (1.2, 0.5, 2 / 3), (0.5, 1.5, 1.0)])
+def test_newton_cg_reduction_ratio_and_damping_adaptation_match_martens(theta0, lr, factor):
+    """f = sqrt(1 + theta^2) (curvature falls along the step, so the quadratic model overestimates the decrease):
+    s = -lr g / (H + lambda), rho = (f(theta + s) - f(theta)) / (g s + H s^2 / 2) (the undamped model), and lambda
+    grows 3/2 below rho = 1/4, shrinks 2/3 above 3/4. The cases put rho at 0.85, 0.61, 0.11, 0.83 (lr 0.5) and 0.54
+    (lr 1.5). Before, no test computed rho: the thresholds (1/4 -> 0, 3/4 -> 0.95), the model's damping term and its
+    lr^2 could all change unnoticed."""
+    damping = 0.1
+    theta = torch.tensor([theta0], dtype=DTYPE, requires_grad=True)
+    opt = NewtonCG([theta], lr=lr, damping=damping, curvature="hessian", max_cg_iters=1, adapt_damping=True,
+                   backtrack=False, line_search=False, warm_start_decay=0.0)  # fmt: skip
+    opt.step(lambda: torch.sqrt(1 + theta**2).sum())
+    f = lambda t: math.sqrt(1 + t * t)  # noqa: E731
+    g, h = theta0 / f(theta0), f(theta0) ** -3
+    s = -lr * g / (h + damping)
+    rho = (f(theta0 + s) - f(theta0)) / (g * s + 0.5 * h * s * s)
+    assert theta.item() == pytest.approx(theta0 + s, rel=1e-12)
+    assert opt.stats["reduction_ratio"] == pytest.approx(rho, rel=1e-9)
+    assert (rho < 0.25, rho > 0.75) == (factor > 1, factor < 1), rho  # the case lies in the band it claims
+    assert opt.state[theta]["damping"] == pytest.approx(damping * factor, rel=1e-15)
+
+
 def test_newton_cg_converges_on_rosenbrock():
     theta = torch.tensor([-1.2, 1.0], dtype=DTYPE, requires_grad=True)
     opt = NewtonCG([theta], curvature="hessian")
