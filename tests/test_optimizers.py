@@ -253,6 +253,28 @@ def test_newton_cg_reduction_ratio_and_damping_adaptation_match_martens(theta0, 
     assert opt.state[theta]["damping"] == pytest.approx(damping * factor, rel=1e-15)
 
 
+@pytest.mark.parametrize(("lr", "expected_alpha"), [(1.985, 0.8), (2.472, 0.8), (2.48, 0.64)])
+def test_newton_cg_armijo_line_search_takes_the_first_sufficient_decrease(lr, expected_alpha):
+    """f = h theta^2 / 2 + c theta, Newton step x = -g / h scaled by lr: f(theta + a lr x) - f = (g^2 / h) a lr (a lr / 2 - 1)
+    and Armijo's test f(theta + a s) <= f + 1e-2 a g^T s with s = lr x holds iff a lr <= 1.98. The lrs sit just past the
+    boundaries where Armijo's test without a (f + 1e-2 g^T s), or with a slope missing its lr (g^T x), picks another
+    a; both mutations went uncaught before (the suite's functions decreased by far more than the test asks)."""
+    h, c, theta0 = 2.0, 1.0, 1.0
+    theta = torch.tensor([theta0], dtype=DTYPE, requires_grad=True)
+    opt = NewtonCG([theta], lr=lr, damping=0.0, curvature="hessian", max_cg_iters=1, adapt_damping=False,
+                   backtrack=False, line_search=True, warm_start_decay=0.0)  # fmt: skip
+    opt.step(lambda: (0.5 * h * theta**2 + c * theta).sum())
+    f = lambda t: 0.5 * h * t * t + c * t  # noqa: E731
+    g = h * theta0 + c
+    s = -lr * g / h
+    alpha = 1.0  # Armijo by hand: 1, 0.8, 0.8^2, ... until the sufficient decrease holds
+    while f(theta0 + alpha * s) > f(theta0) + 1e-2 * alpha * g * s:
+        alpha *= 0.8
+    assert alpha == pytest.approx(expected_alpha, rel=1e-12)
+    assert opt.stats["step_size"] == pytest.approx(alpha, rel=1e-12)
+    assert theta.item() == pytest.approx(theta0 + alpha * s, rel=1e-12)
+
+
 def test_newton_cg_converges_on_rosenbrock():
     theta = torch.tensor([-1.2, 1.0], dtype=DTYPE, requires_grad=True)
     opt = NewtonCG([theta], curvature="hessian")
