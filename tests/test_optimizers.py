@@ -275,6 +275,32 @@ def test_newton_cg_armijo_line_search_takes_the_first_sufficient_decrease(lr, ex
     assert theta.item() == pytest.approx(theta0 + alpha * s, rel=1e-12)
 
 
+def test_newton_cg_warm_starts_cg_from_the_decayed_last_direction(gen):
+    """warm_start_decay = 0.5, one CG iteration per step on a quadratic: step 2's CG starts at x0 = 0.5 x1 (x1 step 1's
+    CG solution, before the lr) and takes one CG iteration from there. Before, no test looked at the warm start:
+    starting from x1 itself (the decay dropped) went unnoticed."""
+    n, lr, decay = 5, 0.5, 0.5
+    a, b = spd(n, gen), torch.randn(n, generator=gen, dtype=DTYPE)
+    theta0 = torch.randn(n, generator=gen, dtype=DTYPE)
+    theta = theta0.clone().requires_grad_()
+    opt = NewtonCG([theta], lr=lr, damping=0.0, curvature="hessian", max_cg_iters=1, adapt_damping=False,
+                   backtrack=False, line_search=False, warm_start_decay=decay)  # fmt: skip
+    closure = lambda: quadratic(a, b, [theta])  # noqa: E731
+
+    def one_cg_iteration(rhs, x0):
+        r = rhs - a @ x0
+        return x0 + (r @ r) / (r @ a @ r) * r
+
+    opt.step(closure)
+    x1 = one_cg_iteration(b - a @ theta0, torch.zeros(n, dtype=DTYPE))
+    theta1 = theta0 + lr * x1
+    torch.testing.assert_close(theta.detach(), theta1, rtol=1e-12, atol=1e-14)
+    opt.step(closure)
+    rhs, x0 = b - a @ theta1, decay * x1
+    assert 0.5 * x0 @ a @ x0 - rhs @ x0 < 0 and rhs @ x0 > 0, "CG keeps this warm start (it would restart from 0)"
+    torch.testing.assert_close(theta.detach(), theta1 + lr * one_cg_iteration(rhs, x0), rtol=1e-12, atol=1e-14)
+
+
 def test_newton_cg_converges_on_rosenbrock():
     theta = torch.tensor([-1.2, 1.0], dtype=DTYPE, requires_grad=True)
     opt = NewtonCG([theta], curvature="hessian")
