@@ -101,6 +101,29 @@ def test_newton_cg_hutchinson_preconditioner_is_martens_diagonal(gen):
     assert iterations == {None: n, "hutchinson": 1}
 
 
+def test_newton_cg_preconditioner_diagonal_is_an_ema_of_absolute_estimates(gen):
+    """An indefinite diagonal Hessian a (Rademacher probes give z * Hz = a exactly): the Hutchinson estimate kept is
+    |a|, and over two steps the diagonal is beta d_1 + (1 - beta) e_2. Before, only one step on a positive diagonal
+    was checked: the abs dropped, and the EMA's weights swapped, both went unnoticed."""
+    n, beta = 6, 0.7
+    a = torch.rand(n, generator=gen, dtype=DTYPE) * 4 + 0.5
+    a[::2] *= -1
+    c = torch.randn(n, generator=gen, dtype=DTYPE)
+    theta = torch.randn(n, generator=gen, dtype=DTYPE).requires_grad_()
+    opt = NewtonCG([theta], damping=10.0, curvature="hessian", max_cg_iters=n, preconditioner="hutchinson",
+                   precond_beta=beta, **EXACT)  # fmt: skip
+    opt.step(lambda: (0.5 * a * theta**2 + c * theta).sum())
+    torch.testing.assert_close(opt.state[theta]["precond_diagonal"], a.abs(), rtol=1e-14, atol=0)
+    squared = NewtonCG([theta], damping=10.0, curvature="hessian", max_cg_iters=n, preconditioner="squared_gradients",
+                       precond_beta=beta, **EXACT)  # fmt: skip
+    grads = []
+    for _ in range(2):
+        grads.append((a * theta + c).detach())
+        squared.step(lambda: (0.5 * a * theta**2 + c * theta).sum())
+    expected = beta * grads[0] ** 2 + (1 - beta) * grads[1] ** 2
+    torch.testing.assert_close(squared.state[theta]["precond_diagonal"], expected, rtol=1e-13, atol=0)
+
+
 def test_newton_cg_bartlett_preconditioner_is_the_gauss_newton_bartlett_diagonal_of_the_curvature_rows(gen):
     """preconditioner='bartlett' with curvature_batch 3: d = 3 g_hat^2, g_hat the gradient of the mean cross-entropy of
     rows 0-2 at labels drawn (seeded generator) from their softmax; PCG still solves (G_3 + lambda I) x = -g_8."""
