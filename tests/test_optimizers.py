@@ -383,6 +383,32 @@ def test_sophia_h_update_matches_hand_formula(gen):
         torch.testing.assert_close(opt.state[params[1]]["hessian"], h[1], rtol=1e-13, atol=1e-15)
 
 
+def test_sophia_h_bias_correction_over_several_refreshes_matches_hand_formula(gen):
+    """bias_correction=True divides rho h by 1 - beta2^n, n the refreshes so far (not the steps): with update_period 2,
+    n = 1, 1, 2, 2, 3. The only other test of it stops after one refresh, where 1 - beta2^n = 1 - beta2: the
+    mutation rho / (1 - beta2) went uncaught."""
+    a, c, params, closure = diagonal_problem(gen)
+    lr, (beta1, beta2), rho, eps, k = 0.1, (0.9, 0.8), 0.5, 1e-15, 2
+    theta = [p.detach().clone() for p in params]
+    m = [torch.zeros_like(t) for t in theta]
+    h = [torch.zeros_like(t) for t in theta]
+    opt = SophiaH(params, lr=lr, betas=(beta1, beta2), rho=rho, weight_decay=0.0, eps=eps, update_period=k,
+                  distribution="rademacher", bias_correction=True)  # fmt: skip
+    refreshes = 0
+    for t in range(5):
+        opt.step(closure)
+        refreshes += t % k == 0
+        for i in range(2):
+            m[i] = beta1 * m[i] + (1 - beta1) * (a[i] * theta[i] + c[i])
+            if t % k == 0:
+                h[i] = beta2 * h[i] + (1 - beta2) * a[i]
+            denominator = torch.clamp(rho * h[i] / (1 - beta2**refreshes), min=eps)
+            theta[i] = theta[i] - lr * (m[i] / denominator).clamp(-1, 1)
+        for p, expected in zip(params, theta):
+            torch.testing.assert_close(p.detach(), expected, rtol=1e-13, atol=1e-15)
+        assert opt.state[params[0]]["hessian_refreshes"] == refreshes
+
+
 def test_sophia_g_update_matches_hand_formula(gen):
     """Softmax regression: g and the Gauss-Newton-Bartlett estimate B * g_hat^2 written out for a linear model."""
     x = torch.randn(6, 3, generator=gen, dtype=DTYPE)
