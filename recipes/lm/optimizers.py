@@ -82,13 +82,13 @@ def build_optimizer(model: nn.Module, name: str, settings: dict, kwargs: dict, w
     cls = optimizer_class(name)
     if "weight_decay" in kwargs:  # the param groups set their own, which override a constructor default
         raise ConfigError("build_optimizer: weight_decay goes in its weight_decay argument (per parameter group), "
-                         "not in kwargs, where the groups' own values would override it")
+                          "not in kwargs, where the groups' own values would override it")
     accepted = inspect.signature(cls).parameters
     if not any(a.kind is inspect.Parameter.VAR_KEYWORD for a in accepted.values()):
         unknown = sorted(set(kwargs) - set(accepted))
         if unknown:
             raise ConfigError(f"optimizer.kwargs: {name} ({cls.__module__}.{cls.__qualname__}) takes no argument "
-                             f"{', '.join(unknown)}; it takes {', '.join(a for a in accepted if a != 'params')}")
+                              f"{', '.join(unknown)}; it takes {', '.join(a for a in accepted if a != 'params')}")
     chosen = {key: value for key, value in settings.items() if key in accepted}
     if "module" in accepted:
         chosen["module"] = model
