@@ -78,11 +78,13 @@ def main() -> None:
                 child = [sys.executable, __file__, "--one", workload, str(int(checkpoint)), str(context)]
                 done = subprocess.run(child, check=True, capture_output=True, text=True, env=child_environment())
                 mib[workload] = float(done.stdout.split()[-1])
-            rows.append({"context": context, "checkpoint_activations": checkpoint, **{f"{w}_mib": round(mib[w], 1)
-                         for w in WORKLOADS}, "for_over_ror": round(mib["for"] / mib["ror"], 3) if mib["ror"] > 0 else None})
+            ratio = round(mib["for"] / mib["ror"], 3) if mib["ror"] > 0 else None
+            rows.append({"context": context, "checkpoint_activations": checkpoint,
+                         **{f"{w}_mib": round(mib[w], 1) for w in WORKLOADS}, "for_over_ror": ratio})
     if args.out:
         write_rows(args.out, rows)
-    print("| context | checkpointing | gradient | HVP reverse | HVP forward | forward / reverse |\n|---|---|---|---|---|---|")
+    print("| context | checkpointing | gradient | HVP reverse | HVP forward | forward / reverse |\n"
+          "|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['context']} | {'on' if r['checkpoint_activations'] else 'off'} | {r['grad_mib']:.0f} MiB | "
               f"{r['ror_mib']:.0f} MiB | {r['for_mib']:.0f} MiB | "

@@ -308,7 +308,8 @@ class patch_sdpa(contextlib.ContextDecorator):
     def __exit__(self, *exc):
         stack = _Patch.stack()
         if self not in stack:
-            raise RuntimeError("patch_sdpa: this patch is not open in this thread (closed twice, or never entered here)")
+            raise RuntimeError("patch_sdpa: this patch is not open in this thread "
+                               "(closed twice, or never entered here)")
         del stack[len(stack) - 1 - stack[::-1].index(self)]  # this patch's innermost entry, wherever it is
         with _Patch.lock:
             _Patch.open_count -= 1

@@ -394,7 +394,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 def key_mask_operand(key_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """The bool key-padding mask as a contiguous ``(B, M)`` uint8 tensor (1 = keep) and ``HAS_KEY_MASK``
-    (TypeError for another dtype); without a mask, a one-byte placeholder the kernels never read (:func:`key_mask_placeholder`)."""
+    (TypeError for another dtype); without a mask, a one-byte placeholder the kernels never read
+    (:func:`key_mask_placeholder`)."""
     if key_mask is None:
         return key_mask_placeholder(q.device), False
     if key_mask.dtype != torch.bool:  # a cast to uint8 would read 0.5 or 256 as 0 (masked), not as True

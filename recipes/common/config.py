@@ -113,7 +113,8 @@ COMMON_CHOICES = {
     "logger.wandb_mode": ("offline", "online", "disabled"),
 }
 COMMON_POSITIVE = ("train.log_interval",)
-COMMON_NON_NEGATIVE = ("train.seed", "train.threads", "train.checkpoint_interval", "train.keep_checkpoints", "train.max_seconds")
+COMMON_NON_NEGATIVE = ("train.seed", "train.threads", "train.checkpoint_interval", "train.keep_checkpoints",
+                       "train.max_seconds")
 
 
 def check(cfg: DictConfig, choices: dict[str, tuple], positive: Iterable[str] = (),
