@@ -250,6 +250,34 @@ def test_distributed_needs_an_initialised_process_group():
     assert odist.all_average((torch.ones(2),), None)[0].tolist() == [1.0, 1.0]
 
 
+def test_all_average_divides_the_sum_and_keeps_each_tensors_dtype_across_buckets(monkeypatch):
+    """all_average with a stand-in for a group of two ranks whose other rank holds 3 x this rank's values (so the
+    all-reduced sum is 4 x, the average 2 x), mixed dtypes and buckets of at most 8 elements: every output is 2 x
+    its input in the input's dtype, the inputs are untouched, and the all-reduces are the buckets expected (a
+    tensor larger than a bucket goes alone). The two-process tests average float64 tensors of one dtype in one bucket and never saw the bucketing."""
+    calls = []
+
+    def all_reduce(tensor, op=None, group=None):
+        assert op == dist.ReduceOp.SUM and group == "group"
+        calls.append((tensor.dtype, tensor.numel()))
+        tensor.mul_(4)
+
+    monkeypatch.setattr(odist, "BUCKET_NUMEL", 8)
+    monkeypatch.setattr(odist.dist, "get_world_size", lambda group: 2)
+    monkeypatch.setattr(odist.dist, "all_reduce", all_reduce)
+    gen = torch.Generator().manual_seed(0)
+    shapes_dtypes = [((3,), torch.float64), ((2, 2), torch.float32), ((5,), torch.float64), ((1,), torch.float32),
+                     ((4,), torch.float64), ((9,), torch.float32), ((2,), torch.float64)]
+    tensors = [torch.randn(shape, generator=gen, dtype=dtype) for shape, dtype in shapes_dtypes]
+    copies = [t.clone() for t in tensors]
+    averages = odist.all_average(tensors, "group")
+    for average, t, copy in zip(averages, tensors, copies, strict=True):
+        assert average.dtype == t.dtype and average.shape == t.shape
+        assert torch.equal(average, 2 * copy) and torch.equal(t, copy)
+    assert sorted(calls, key=str) == sorted([(torch.float64, 8), (torch.float64, 6), (torch.float32, 5),
+                                             (torch.float32, 9)], key=str)
+
+
 # ------------------------------------------------------------------------------------- data split
 
 
