@@ -727,6 +727,15 @@ def test_rademacher_recovers_a_diagonal_hessian_from_one_sample(separable) -> No
     assert not torch.allclose(flatten(gaussian), flatten(diagonal))
 
 
+def test_trace_of_an_indefinite_hessian_keeps_the_signs_of_its_diagonal() -> None:
+    """The fixtures' Hessians have positive diagonals, where summing |z * Az| gave the same trace; on a diagonal
+    Hessian with negative entries one Rademacher probe gives the signed trace exactly."""
+    x = torch.tensor([0.5, -1.0, 2.0, -0.25], dtype=DTYPE, requires_grad=True)
+    curvature = torch.tensor([3.0, -2.0, 0.5, -4.0], dtype=DTYPE)
+    op = HessianOperator((curvature * x**2).sum() / 2, [x])
+    assert trace(op, num_samples=1, generator=torch.Generator().manual_seed(0)) == pytest.approx(-2.5, rel=1e-12)
+
+
 def test_hutchinson_accepts_a_loss_and_params_pair(separable) -> None:
     loss, params, diagonal = separable
     torch.testing.assert_close(flatten(hutchinson_diagonal((loss, params))), flatten(diagonal), **TOL)
