@@ -833,6 +833,18 @@ def test_power_iteration_finds_a_dominant_negative_eigenvalue() -> None:
     assert vector[0].shape == (2, 3)
 
 
+def test_power_iteration_tolerance_is_relative_to_a_small_eigenvalue() -> None:
+    """Eigenvalues of order 1e-4 (a Hessian of a small loss): the residual is held to tol times |lambda|, not to
+    tol itself, which the random start already met, so that its Rayleigh quotient (a mix of the eigenvalues) came
+    back."""
+    generator = torch.Generator().manual_seed(0)
+    basis, _ = torch.linalg.qr(torch.randn(5, 5, dtype=DTYPE, generator=generator))
+    matrix = basis @ torch.diag(torch.tensor([4.0, 2.0, 1.0, 0.5, 0.2], dtype=DTYPE) * 1e-4) @ basis.T
+    op = DenseOperator(matrix, [torch.zeros(5, dtype=DTYPE)])
+    eigenvalue, vector = power_iteration(op, max_iter=500, tol=1e-6, generator=generator)
+    _assert_top_eigenpair(eigenvalue, vector, matrix)
+
+
 def test_power_iteration_stops_at_max_iter() -> None:
     matrix = torch.diag(torch.tensor([2.0, 1.9, 0.1], dtype=DTYPE))
     op = DenseOperator(matrix, [torch.zeros(3, dtype=DTYPE)])
