@@ -105,6 +105,9 @@ def _optimizer_worker(rank: int, init_file: str, out_dir: str) -> None:
         bartlett = NewtonCG([torch.nn.Parameter(torch.zeros(2))], preconditioner="bartlett", distributed=True)
         results["label_state"] = bartlett._label_generator().get_state()
         results["probe_state"] = bartlett.generator.get_state()
+        zeros = [torch.nn.Parameter(torch.zeros(2))]
+        results["default_generators"] = {"sophiag": SophiaG(zeros, distributed=True).generator.get_state(),
+                                         "sophiah": SophiaH(zeros, distributed=True).generator.get_state()}
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -241,6 +244,15 @@ def test_newton_cg_bartlett_labels_are_drawn_independently_per_rank(two_rank_res
     first, second = two_rank_results
     assert torch.equal(first["probe_state"], second["probe_state"])
     assert not torch.equal(first["label_state"], second["label_state"])
+
+
+def test_default_generators_sample_labels_per_rank_and_probes_alike(two_rank_results):
+    """Without a generator, SophiaG's (which samples labels for the rank's own rows) is seeded per rank from one
+    shared draw, SophiaH's (Hutchinson's probes) alike on every rank. Seeded alike, SophiaG's ranks drew the same
+    labels for their row i, as NewtonCG's Bartlett labels once did, and still stayed replicated."""
+    first, second = (results["default_generators"] for results in two_rank_results)
+    assert not torch.equal(first["sophiag"], second["sophiag"])
+    assert torch.equal(first["sophiah"], second["sophiah"])
 
 
 def test_distributed_needs_an_initialised_process_group():
