@@ -56,6 +56,22 @@ def test_functional_refuses_a_captured_parameter_in_forward_mode(gen):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
 
+def test_functional_watches_each_place_that_makes_fn_not_only_the_first(gen):
+    """The watch runs once per module and per place in the code that makes fn: after a closure through the module
+    was accepted, another closure on the same module that captured a parameter is still refused (keyed by the type
+    of fn, every lambda would share the first one's pass and the second's block of Hv would be silently zero)."""
+    x = torch.randn(6, 4, generator=gen, dtype=DTYPE)
+    model = MLP([4, 5, 3])
+    params = list(model.parameters())
+    vec = [torch.randn(p.shape, generator=gen, dtype=DTYPE) for p in params]
+    hvp(functional(model, lambda: model(x).square().sum(), params), params, vec, mode="forward")
+    first_weight = model[0].weight
+    captured = functional(model, lambda: (torch.tanh(F.linear(x, first_weight, model[0].bias)) @ model[2].weight.T)
+                          .square().sum(), params)  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"uses the parameter tensors themselves \(0.weight\)"):
+        hvp(captured, params, vec, mode="forward")
+
+
 @pytest.mark.parametrize("how", ["add_param_group", "unfreeze"])
 def test_sophia_refreshes_a_parameter_without_h_on_its_first_step(gen, how):
     """A group added (or a parameter unfrozen) after the first step gets h = (1 - b2) u * (H u) on its first step,
