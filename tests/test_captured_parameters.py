@@ -72,6 +72,23 @@ def test_functional_watches_each_place_that_makes_fn_not_only_the_first(gen):
         hvp(captured, params, vec, mode="forward")
 
 
+@pytest.mark.parametrize("how", ["in_a_list", "as_a_keyword"])
+def test_functional_watch_sees_a_captured_parameter_in_a_list_or_a_keyword(gen, how):
+    """A captured parameter that reaches a torch function inside a list (torch.cat([w, ...])) or as a keyword
+    argument (F.linear(x, weight=w)) is refused like a positional one; unseen, its block of Hv would be zero."""
+    x = torch.randn(6, 4, generator=gen, dtype=DTYPE)
+    model = MLP([4, 5, 3])
+    params = list(model.parameters())
+    vec = [torch.randn(p.shape, generator=gen, dtype=DTYPE) for p in params]
+    weight = model[0].weight
+    if how == "in_a_list":
+        fn = lambda: (x @ torch.cat([weight, model[0].weight]).T).square().sum()  # noqa: E731
+    else:
+        fn = lambda: F.linear(x, weight=weight).square().sum() + model(x).sum()  # noqa: E731
+    with pytest.raises(RuntimeError, match=r"uses the parameter tensors themselves \(0.weight\)"):
+        hvp(functional(model, fn, params), params, vec, mode="forward")
+
+
 @pytest.mark.parametrize("how", ["add_param_group", "unfreeze"])
 def test_sophia_refreshes_a_parameter_without_h_on_its_first_step(gen, how):
     """A group added (or a parameter unfrozen) after the first step gets h = (1 - b2) u * (H u) on its first step,
