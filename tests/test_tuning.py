@@ -302,6 +302,20 @@ def test_tuner_skips_rejected_candidates(folders):
             configs.pick(key_at(8192), space, GPU, "on", clock.run)
 
 
+class RecordingKernel:
+    """A stand-in Triton kernel for :func:`configs.launch`: each launch appends its config to ``tried`` and then
+    calls ``outcome(attempt)`` (1 for the first launch), which may raise what a compiler would."""
+
+    def __init__(self, tried: list, outcome):
+        self.tried, self.outcome = tried, outcome
+
+    def __getitem__(self, grid):
+        def run(*args, BLOCK_M, BLOCK_N, num_warps, num_stages, **constants):
+            self.tried.append(configs.BlockConfig(BLOCK_M, BLOCK_N, num_warps, num_stages))
+            self.outcome(len(self.tried))
+        return run
+
+
 def test_launch_tunes_once_then_launches_the_pick(folders, monkeypatch):
     """configs.launch on a (pretend) GPU: the first launch of a key tunes and then launches the pick; later
     launches reuse it without timing; tuned_configs reports it."""
@@ -309,20 +323,14 @@ def test_launch_tunes_once_then_launches_the_pick(folders, monkeypatch):
     monkeypatch.setenv("FLASHBOB_AUTOTUNE", "1")
     monkeypatch.setattr(configs, "_gpu", lambda args: (None, GPU))
     launched = []
-
-    class Kernel:
-        def __getitem__(self, grid):
-            def run(*args, BLOCK_M, BLOCK_N, num_warps, num_stages, **constants):
-                launched.append(configs.BlockConfig(BLOCK_M, BLOCK_N, num_warps, num_stages))
-            return run
-
+    kernel = RecordingKernel(launched, lambda attempt: None)
     constants = {"HEAD_DIM": 128, "BLOCK_D": 128, **FLAGS}
     space = configs.candidates("bob_q_bar", 128, torch.bfloat16, 4096)
     clock = FakeClock(space, fastest=2)
     with tuning.timed_by(lambda run: (run(), clock.times[launched[-1]])[1]):
-        configs.launch("bob_q_bar", Kernel(), (1,), head_dim=128, dtype=torch.bfloat16, length=4000, **constants)
+        configs.launch("bob_q_bar", kernel, (1,), head_dim=128, dtype=torch.bfloat16, length=4000, **constants)
         assert launched == [*space, space[2]]  # each candidate timed, then the pick launched
-        configs.launch("bob_q_bar", Kernel(), (1,), head_dim=128, dtype=torch.bfloat16, length=3000, **constants)
+        configs.launch("bob_q_bar", kernel, (1,), head_dim=128, dtype=torch.bfloat16, length=3000, **constants)
         assert launched[-1] == space[2] and len(launched) == len(space) + 2
     (row,) = configs.tuned_configs()
     assert (row["kernel"], row["bucket"], row["source"]) == ("bob_q_bar", 4096, "tuned")
@@ -338,15 +346,11 @@ def test_launch_raises_when_the_compiler_rejects_every_config(monkeypatch):
     monkeypatch.setattr(configs, "_PICKS", {})
     tried = []
 
-    class Kernel:
-        def __getitem__(self, grid):
-            def run(*args, BLOCK_M, BLOCK_N, num_warps, num_stages, **constants):
-                tried.append(configs.BlockConfig(BLOCK_M, BLOCK_N, num_warps, num_stages))
-                raise OutOfResources(262144 + len(tried), 232448, "shared memory")
-            return run
+    def reject(attempt):
+        raise OutOfResources(262144 + attempt, 232448, "shared memory")
 
     with pytest.raises(OutOfResources) as raised:
-        configs.launch("bob_q_bar", Kernel(), (1,), head_dim=128, dtype=torch.float16, length=4096, HEAD_DIM=128)
+        configs.launch("bob_q_bar", RecordingKernel(tried, reject), (1,), head_dim=128, dtype=torch.float16, length=4096, HEAD_DIM=128)
     space = configs.candidates("bob_q_bar", 128, torch.float16, 4096)
     assert len(space) > 1 and tried == list(space)
     assert raised.value.required == 262144 + len(space)  # the last candidate's error
@@ -484,14 +488,10 @@ def test_launch_falls_back_on_every_compiler_rejection(monkeypatch, error):
     monkeypatch.setattr(configs, "_PICKS", {})
     tried = []
 
-    class Kernel:
-        def __getitem__(self, grid):
-            def run(*args, BLOCK_M, BLOCK_N, num_warps, num_stages, **constants):
-                tried.append(configs.BlockConfig(BLOCK_M, BLOCK_N, num_warps, num_stages))
-                if len(tried) == 1:
-                    raise PTXASError("ptxas failed") if error == "ptxas" else CompileTimeAssertionFailure(None, None, "x")
-            return run
+    def reject_the_first(attempt):
+        if attempt == 1:
+            raise PTXASError("ptxas failed") if error == "ptxas" else CompileTimeAssertionFailure(None, None, "x")
 
-    configs.launch("bob_q_bar", Kernel(), (1,), head_dim=128, dtype=torch.float16, length=4096, HEAD_DIM=128)
+    configs.launch("bob_q_bar", RecordingKernel(tried, reject_the_first), (1,), head_dim=128, dtype=torch.float16, length=4096, HEAD_DIM=128)
     space = configs.candidates("bob_q_bar", 128, torch.float16, 4096)
     assert tried == list(space[:2])
