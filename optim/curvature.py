@@ -405,6 +405,12 @@ def check_chunk_elements(chunk_elements: int) -> None:
         raise ValueError(f"chunk_elements must be a positive integer (logits per chunk), got {chunk_elements!r}")
 
 
+def check_count(name: str, value: object, of: str) -> None:
+    """Raise ``ValueError`` unless ``value`` is a positive integer (any integer type but ``bool``), a count of ``of``."""
+    if isinstance(value, bool) or not hasattr(value, "__index__") or value < 1:
+        raise ValueError(f"{name} must be a positive integer ({of}), got {value!r}")
+
+
 def row_chunks(rows: int, classes: int, chunk_elements: int) -> list[slice]:
     """Consecutive slices covering ``range(rows)``, of ``max(1, chunk_elements // classes)`` rows each
     (the last may be shorter)."""
@@ -866,8 +872,7 @@ def hutchinson_diagonal(
     Raises:
         ValueError: ``num_samples`` is not a positive integer (0 gave NaN, a negative count zeros).
     """
-    if isinstance(num_samples, bool) or not hasattr(num_samples, "__index__") or num_samples < 1:
-        raise ValueError(f"num_samples must be a positive integer (probes), got {num_samples!r}")
+    check_count("num_samples", num_samples, "probes")
     op = _as_operator(operator)
     total = [torch.zeros_like(p) for p in op.params]
     for _ in range(num_samples):
@@ -922,8 +927,7 @@ def power_iteration(
     Raises:
         ValueError: ``max_iter`` is not a positive integer.
     """
-    if isinstance(max_iter, bool) or not hasattr(max_iter, "__index__") or max_iter < 1:
-        raise ValueError(f"power_iteration: max_iter must be a positive integer (products), got {max_iter!r}")
+    check_count("power_iteration: max_iter", max_iter, "products")
     op = _as_operator(operator)
     v = torch.randn(op.shape[0], generator=generator, device=op.device, dtype=op.dtype)
     v = v / torch.linalg.vector_norm(v)
