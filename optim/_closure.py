@@ -173,8 +173,7 @@ class SecondOrderOptimizer(Optimizer):
         """The parameters that ``loss`` reaches (:func:`reached`, on any rank), their groups, and the others: a step
         skips those as ``torch.optim`` skips a parameter whose ``p.grad`` is ``None`` (no update, decay or state)."""
         mask = reached(loss, params, self.group)
-        kept = [(p, group) for p, group, r in zip(params, groups, mask, strict=True) if r]
-        return [p for p, _ in kept], [group for _, group in kept], [p for p, r in zip(params, mask) if not r]
+        return *select(mask, params, groups), select([not r for r in mask], params)[0]
 
     def _with_grad(
         self, params: list[Tensor], groups: list[dict[str, Any]]
@@ -189,8 +188,7 @@ class SecondOrderOptimizer(Optimizer):
         for p, anywhere in zip(params, mask):
             if anywhere and p.grad is None:
                 p.grad = torch.zeros_like(p)
-        kept = [(p, group) for p, group, anywhere in zip(params, groups, mask, strict=True) if anywhere]
-        return [p for p, _ in kept], [group for _, group in kept]
+        return select(mask, params, groups)
 
     def _step_without_update(self, closure: Closure | None) -> Tensor | None:
         """A step with nothing to update: :func:`loss_without_update`, recorded in :attr:`stats`."""
@@ -291,6 +289,11 @@ def gradients(
     return torch.autograd.grad(
         loss, params, retain_graph=retain_graph, create_graph=create_graph, allow_unused=True, materialize_grads=True
     )
+
+
+def select(mask: Sequence[bool], *columns: Sequence[Any]) -> tuple[list[Any], ...]:
+    """The entries of each of the aligned ``columns`` where ``mask`` is true, one list per column."""
+    return tuple([x for x, keep in zip(column, mask, strict=True) if keep] for column in columns)
 
 
 def reached(loss: Tensor, params: Sequence[Tensor], group: _dist.Group = None) -> list[bool]:

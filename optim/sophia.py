@@ -538,10 +538,10 @@ class SophiaH(_Sophia):
             grads, estimate = self._hutchinson(operator, groups, gradient=True)
         self.stats["hessian_rows"] = rows[0]
         mask = reached[0]
-        unreached = [p for p, r in zip(params, mask) if not r]
+        (unreached,) = _closure.select([not r for r in mask], params)
         self._unreached = {id(p) for p in unreached}
-        params, groups, due = ([x for x, r in zip(items, mask) if r] for items in (params, groups, due))
-        grads, estimate = (tuple(x for x, r in zip(items, mask) if r) for items in (grads, estimate))
+        params, groups, due = _closure.select(mask, params, groups, due)
+        grads, estimate = map(tuple, _closure.select(mask, grads, estimate))
         return _dist.average_loss(operator.value, self.group), params, groups, unreached, due, grads, estimate
 
     def _estimate(self, result, call, params, groups):
