@@ -197,12 +197,18 @@ def fingerprint(cfg: DictConfig) -> str:
 # --- the analysis: pure functions of the rows ---
 
 
+def final_loss(row: dict) -> float | None:
+    """The run's final validation loss if it ended normally (status ``ok``) with a finite one, else ``None``."""
+    loss = row["val_loss"]
+    return loss if row["status"] == "ok" and loss is not None and math.isfinite(loss) else None
+
+
 def best_settings(sweep_rows: list[dict]) -> dict[str, dict]:
     """Per optimizer, the sweep row with the lowest final validation loss among the runs that ended normally."""
     best: dict[str, dict] = {}
     for row in sweep_rows:
-        loss = row["val_loss"]
-        if row["status"] != "ok" or loss is None or not math.isfinite(loss):
+        loss = final_loss(row)
+        if loss is None:
             continue
         if row["optimizer"] not in best or loss < best[row["optimizer"]]["val_loss"]:
             best[row["optimizer"]] = row
@@ -408,8 +414,7 @@ def run_table(rows: list[dict]) -> str:
         return row["status"] + (f" at {row['val_loss']:.3f}" if row["val_loss"] is not None else "")
 
     for optimizer, runs in per_optimizer.items():
-        losses = [r["val_loss"] if r["status"] == "ok" and r["val_loss"] is not None and math.isfinite(r["val_loss"])
-                  else None for r in runs]
+        losses = [final_loss(r) for r in runs]
         speeds = [r["tokens"] * (1 - 1 / r["step"]) / r["train_s"] if r["step"] and r["train_s"] else None
                   for r in runs]  # the tokens after step 1 over the training time
         lines.append(
@@ -702,7 +707,7 @@ def ranked_optimizers(path: Path, count: int) -> list[str]:
     """The ``count`` optimizers of lowest mean final validation loss (over seeds) in the comparison CSV ``path``."""
     finals: dict[str, list[float]] = {}
     for row in last_rows(read_csv(path)):
-        if row["status"] == "ok" and row["val_loss"] is not None and math.isfinite(row["val_loss"]):
+        if final_loss(row) is not None:
             finals.setdefault(row["optimizer"], []).append(row["val_loss"])
     if not finals:
         sys.exit(f"--top needs the finished comparison {path}: it holds no run")
