@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from benchmarks.environment import child_environment
+from recipes.lm.optimizers import OPTIMIZERS
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "OMP_NUM_THREADS": "4"}
@@ -88,7 +89,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "ddp_throughput.csv")
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "lm" / "gpu_8k.yaml")
-    parser.add_argument("--optimizers", nargs="+", default=["adamw", "sophiah"])
+    parser.add_argument("--optimizers", nargs="+", default=["adamw", "sophiah"], choices=sorted(OPTIMIZERS),
+                        metavar="NAME", help=f"some of {' '.join(sorted(OPTIMIZERS))} (key=value overrides go before "
+                                             "this option)")
     parser.add_argument("--gpus", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
     parser.add_argument("--skip", type=int, default=10, help="first steps left out of the timing")

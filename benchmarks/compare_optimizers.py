@@ -47,6 +47,7 @@ import matplotlib.pyplot as plt
 
 from benchmarks.environment import child_environment
 from benchmarks.results import write_rows
+from recipes.lm.optimizers import OPTIMIZERS
 from recipes.lm.train import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,6 +125,11 @@ def read_metrics(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().split("\n")[:-1]]
+
+
+def optimizer_names() -> list[str]:
+    """Every name :func:`settings_of` takes: the recipe's optimizers and :data:`VARIANTS`."""
+    return sorted({*OPTIMIZERS, *VARIANTS})
 
 
 def settings_of(optimizer: str) -> tuple[str, list[str]]:
@@ -261,7 +267,8 @@ def step_costs(rows: list[dict], optimizers: list[str]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "lm" / "compare_8k.yaml")
-    parser.add_argument("--optimizers", nargs="+", default=["adamw", "sophiah", "newtoncg"])
+    parser.add_argument("--optimizers", nargs="+", default=["adamw", "sophiah", "newtoncg"], choices=optimizer_names(),
+                        metavar="NAME", help="recipe optimizers or variants (key=value overrides go before this option)")
     parser.add_argument("--tokens", type=int, default=128 * 2 * 8192,
                         help="training tokens per optimizer (rounded down to whole steps)")
     parser.add_argument("--out-dir", type=Path, help="folder for the run folders (default: a temporary one)")

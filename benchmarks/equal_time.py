@@ -671,7 +671,8 @@ def execute(session: Session, runs: list[Run], budget: float, train_one) -> list
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "lm" / "equal_time_8k.yaml")
-    parser.add_argument("--optimizers", nargs="+", default=OPTIMIZERS)
+    parser.add_argument("--optimizers", nargs="+", default=OPTIMIZERS, choices=OPTIMIZERS, metavar="NAME",
+                        help=f"some of {' '.join(OPTIMIZERS)} (key=value overrides go before this option)")
     parser.add_argument("--top", type=int, help="compare the N optimizers of lowest mean final validation loss in "
                                                 "--ranking instead of --optimizers")
     parser.add_argument("--ranking", type=Path, help="the comparison --top ranks (default <docs>/equal_time.csv)")

@@ -40,6 +40,7 @@ import torch.autograd.forward_ad as fwAD
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import optim
+from benchmarks.compare_optimizers import optimizer_names
 from benchmarks.results import write_rows
 from optim import _closure, newton_cg, sophia
 from optim.curvature import GGNOperator, HessianOperator
@@ -310,7 +311,9 @@ def table(optimizer: str, kind: str, profiler: Profiler, counter: Counter | None
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "lm" / "compare_8k.yaml")
-    parser.add_argument("--optimizers", nargs="+", default=["newtoncg", "sophiah"])
+    parser.add_argument("--optimizers", nargs="+", default=["newtoncg", "sophiah"], choices=optimizer_names(),
+                        metavar="NAME", help="recipe optimizers or variants of benchmarks/compare_optimizers.py "
+                                             "(key=value overrides go before this option)")
     parser.add_argument("--warmup", type=int, default=3, help="steps before the profiled ones (default 3)")
     parser.add_argument("--max-steps", type=int, default=30, help="most steps to find each kind (default 30)")
     parser.add_argument("--out", type=Path, help="CSV of every row")

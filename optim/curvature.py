@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
+import traceback
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
 import torch
@@ -254,6 +256,14 @@ def _dual_params(params: Tensors, vec: Tensors, *, requires_grad: bool) -> tuple
     )
 
 
+def _raised_in_checkpoint(error: BaseException) -> bool:
+    """Whether ``error`` came from an autograd Function that ``torch.utils.checkpoint`` itself applies (not from
+    one applied by the checkpointed code)."""
+    callers = [Path(frame.filename).parts[-3:] for frame in traceback.extract_tb(error.__traceback__)
+               if Path(frame.filename).parts[-3:] != ("torch", "autograd", "function.py")]
+    return bool(callers) and callers[-1] == ("torch", "utils", "checkpoint.py")
+
+
 @contextmanager
 def _forward_mode_errors() -> Iterator[None]:
     """Turn PyTorch's error for an operation without a forward-mode rule into one that says what to do."""
@@ -262,6 +272,12 @@ def _forward_mode_errors() -> Iterator[None]:
     except NotImplementedError as error:
         if not re.search(r"forward[- ](mode )?AD", str(error)):
             raise
+        if _raised_in_checkpoint(error):
+            raise NotImplementedError(
+                f"mode='forward' runs through activation checkpointing (torch.utils.checkpoint), which has no "
+                f"forward-mode rule in torch {torch.__version__} (torch 2.11 has none, 2.13 has one). Turn "
+                "checkpointing off for curvature products, or use mode='reverse'"
+            ) from error
         raise NotImplementedError(
             "mode='forward' needs a forward-mode derivative of every operation of the model (and, for Hessian "
             "products, of its backward), and PyTorch has none for one of them (below). Use mode='reverse', or "

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks.environment import child_environment
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,3 +79,13 @@ def test_every_step_is_logged_whatever_the_overrides(tmp_path, monkeypatch):
     args = argparse.Namespace(config="configs/lm/tiny.yaml", overrides=["train.log_interval=10"], timeout=10)
     compare_optimizers.run("adamw", 20, 128, args, tmp_path)
     assert [a for a in commands[0] if a.startswith("train.log_interval=")][-1] == "train.log_interval=1"
+
+
+@pytest.mark.parametrize("script", ["compare_optimizers", "profile_step", "equal_time", "bench_ddp"])
+def test_an_override_after_the_optimizer_names_is_refused(script: str) -> None:
+    """``--optimizers adamw data.max_bytes=...`` used to take the override for an optimizer name (profile_step ran
+    the optimizers before it without the override, on the H200, 2026-12-02): now argparse refuses it by name."""
+    done = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--optimizers", "adamw", "data.max_bytes=1000"],
+                          cwd=ROOT, env=child_environment(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "argument --optimizers: invalid choice: 'data.max_bytes=1000'" in done.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import importlib.util
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -656,6 +657,52 @@ def test_forward_mode_explains_an_operation_without_a_forward_rule() -> None:
     op = GGNOperator(lambda values: _NoForwardRule.apply(values[0]), [w], MSEHessian(), mode="forward")
     with pytest.raises(NotImplementedError, match="Use mode='reverse'"):
         op.jvp(vec)
+
+
+CHECKPOINT_WITHOUT_FORWARD_RULE = """
+import torch
+
+
+class _NoopSaveInputs(torch.autograd.Function):  # as torch 2.11's checkpoint applies it: no jvp
+    @staticmethod
+    def forward(x):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def checkpoint(fn, x):
+    return fn(_NoopSaveInputs.apply(x))
+
+
+def run(fn, x):  # a checkpoint that applies nothing of its own
+    return fn(x)
+"""
+
+
+def test_forward_mode_explains_checkpointing_without_a_forward_rule(tmp_path) -> None:
+    """torch 2.11's non-reentrant checkpoint applies a Function without a jvp (H200, 2026-12-02): the error names
+    checkpointing, and only when the Function is checkpoint's own, not one that the checkpointed code applies."""
+    path = tmp_path / "torch" / "utils" / "checkpoint.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(CHECKPOINT_WITHOUT_FORWARD_RULE)
+    spec = importlib.util.spec_from_file_location("old_checkpoint", path)
+    old_checkpoint = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old_checkpoint)
+    w = torch.randn(3, dtype=DTYPE, requires_grad=True)
+    vec = [torch.ones(3, dtype=DTYPE)]
+    with pytest.raises(NotImplementedError, match=r"activation checkpointing \(torch.utils.checkpoint\)") as error:
+        hvp(lambda values: old_checkpoint.checkpoint(torch.sin, values[0]).sum(), [w], vec, mode="forward")
+    assert "jvp" in str(error.value.__cause__)
+    with pytest.raises(NotImplementedError, match="mode='forward' needs a forward-mode derivative"):
+        hvp(lambda values: old_checkpoint.run(lambda x: _NoForwardRule.apply(x), values[0]).sum(), [w], vec,
+            mode="forward")
 
 
 def test_forward_mode_explains_a_zero_tangent_written_in_place() -> None:
