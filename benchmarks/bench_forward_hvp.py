@@ -11,7 +11,10 @@ from scratch (forward included), at every ``--contexts`` length through flashbob
 * ``hvp_reverse``: ``optim.hvp(loss, params, v)``, reverse-over-reverse (a ``create_graph`` backward,
   then a backward through it: BoB in attention);
 * ``hvp_forward``: ``optim.hvp(loss_fn, params, v, mode="forward")``, forward-over-reverse (a forward
-  with tangents, then a backward that carries them: attention's forward and backward JVP kernels).
+  with tangents, then a backward that carries them: attention's forward and backward JVP kernels);
+* ``hvp_forward_checkpointed``: the same with each block recomputed in the backward (the model's
+  ``checkpoint_activations``, i.e. ``optim.checkpoint``): the blocks' activations and tangents are not kept,
+  for one more forward with tangents per block.
 
 and at ``--ggn-context``, ``curvlinops.GGNLinearOperator`` mat-vecs (``jvp`` of the model, the
 cross-entropy Hessian, a ``vjp``; built on torch.func) with attention through flashbob
@@ -88,10 +91,19 @@ def hvp_workloads(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
             return lm_model.cross_entropy(model(tokens), targets)
 
     loss_fn = optim.functional(model, loss, params)
+
+    def hvp_forward_checkpointed():
+        model.checkpoint_activations = True
+        try:
+            return optim.hvp(loss_fn, params, vec, mode="forward")
+        finally:
+            model.checkpoint_activations = False
+
     return {
         "grad": lambda: torch.autograd.grad(loss(), params),
         "hvp_reverse": lambda: optim.hvp(loss(), params, vec),
         "hvp_forward": lambda: optim.hvp(loss_fn, params, vec, mode="forward"),
+        "hvp_forward_checkpointed": hvp_forward_checkpointed,
     }
 
 
@@ -147,7 +159,7 @@ def run_group(group: dict[str, Callable], reference: str | None, context: int, k
         if args.device == "cuda":
             torch.cuda.empty_cache()
         rows.append(row)
-        print(f"{row['workload']:14s} {row['attention']:9s} context={context:6d} {row['status']:3s} "
+        print(f"{row['workload']:24s} {row['attention']:9s} context={context:6d} {row['status']:3s} "
               f"ms={row['ms']} peak_gib={row['peak_gib']} rel_diff={row['rel_diff']}", flush=True)
     return rows
 

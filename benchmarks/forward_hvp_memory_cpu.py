@@ -1,5 +1,5 @@
-"""Peak memory of a gradient and of both Hessian-vector product modes on the CPU, with and without
-activation checkpointing.
+"""Peak memory of a gradient and of both Hessian-vector product modes on the CPU, without activation
+checkpointing, with ``optim.checkpoint`` and with ``torch.utils.checkpoint``.
 
     PYTHONPATH=. python benchmarks/forward_hvp_memory_cpu.py --contexts 2048 4096
 
@@ -7,10 +7,12 @@ Model: ``recipes.lm.model.GPT`` with 4 layers, d_model 256, 4 heads, a GELU MLP,
 batch 1, attention through flashbob's blocked backend with panels of 2^16 scores (so that the activations,
 not the attention's panel temporaries, decide the peak). Workloads, each from scratch (forward included):
 ``grad`` (one gradient), ``ror`` (``optim.hvp``, reverse-over-reverse) and ``for`` (``optim.hvp(...,
-mode="forward")``, forward-over-reverse), with ``checkpoint_activations`` off and on (non-reentrant
-``torch.utils.checkpoint`` per block). Each runs in a process of its own, after a warm-up at 64 tokens;
-the figure is the growth of the process's peak resident memory (``ru_maxrss``) during the workload, which
-counts what the allocator held at the peak. Prints a Markdown table; ``--out`` also writes a CSV.
+mode="forward")``, forward-over-reverse), with each block checkpointed: ``off`` (not), ``optim`` (the model's
+``checkpoint_activations=True``: ``optim.checkpoint``, which forward mode can go through) or ``torch``
+(non-reentrant ``torch.utils.checkpoint``; torch 2.11 has no forward-mode rule for it, and that row's ``for``
+is left blank). Each runs in a process of its own, after a warm-up at 64 tokens; the figure is the growth of
+the process's peak resident memory (``ru_maxrss``) during the workload, which counts what the allocator held
+at the peak. Prints a Markdown table; ``--out`` also writes a CSV.
 """
 
 from __future__ import annotations
@@ -21,15 +23,29 @@ import subprocess
 import sys
 
 import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from benchmarks.environment import child_environment
 from benchmarks.results import write_rows
 
 WORKLOADS = ("grad", "ror", "for")
+CHECKPOINTING = ("off", "optim", "torch")
 CHECKPOINT_UNSUPPORTED = "activation checkpointing (torch.utils.checkpoint)"  # optim's error where torch has no rule
 
 
-def measure(workload: str, checkpoint: bool, context: int) -> float:
+class TorchCheckpointed(nn.Module):
+    """``block`` run through non-reentrant ``torch.utils.checkpoint``."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch_checkpoint(self.block, x, use_reentrant=False)
+
+
+def measure(workload: str, checkpointing: str, context: int) -> float:
     """MiB by which the peak resident memory grows during one ``workload`` at ``context`` tokens (this process)."""
     import optim
     from flashbob import blocked
@@ -39,7 +55,9 @@ def measure(workload: str, checkpoint: bool, context: int) -> float:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = lm_model.GPT(vocab_size=256, d_model=256, n_layers=4, n_heads=4, mlp="gelu",
-                         checkpoint_activations=checkpoint)
+                         checkpoint_activations=checkpointing == "optim")
+    if checkpointing == "torch":
+        model.blocks = nn.ModuleList(TorchCheckpointed(block) for block in model.blocks)
     params = list(model.parameters())
     vec = [torch.randn_like(p) for p in params]
 
@@ -61,45 +79,51 @@ def measure(workload: str, checkpoint: bool, context: int) -> float:
     return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024  # KiB on Linux
 
 
+def ratio(numerator: float | None, denominator: float) -> float | None:
+    """``numerator / denominator`` to 3 decimals, or None where either is missing or not positive."""
+    return round(numerator / denominator, 3) if numerator is not None and denominator > 0 else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096])
     parser.add_argument("--out", help="CSV of the rows")
-    parser.add_argument("--one", nargs=3, metavar=("WORKLOAD", "CHECKPOINT", "CONTEXT"), help=argparse.SUPPRESS)
+    parser.add_argument("--one", nargs=3, metavar=("WORKLOAD", "CHECKPOINTING", "CONTEXT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:  # the child process of one measurement
-        workload, checkpoint, context = args.one
-        print(measure(workload, checkpoint == "1", int(context)))
+        workload, checkpointing, context = args.one
+        print(measure(workload, checkpointing, int(context)))
         return
     rows = []
     for context in args.contexts:
-        for checkpoint in (False, True):
+        for checkpointing in CHECKPOINTING:
             mib = {}
             for workload in WORKLOADS:
-                child = [sys.executable, __file__, "--one", workload, str(int(checkpoint)), str(context)]
+                child = [sys.executable, __file__, "--one", workload, checkpointing, str(context)]
                 done = subprocess.run(child, capture_output=True, text=True, env=child_environment())
                 if done.returncode and workload == "for" and CHECKPOINT_UNSUPPORTED in done.stderr:
-                    print(f"context {context}: no forward-mode HVP with checkpointing in torch {torch.__version__} "
-                          "(torch.utils.checkpoint has no forward-mode rule there); left blank", file=sys.stderr)
+                    print(f"context {context}: torch {torch.__version__}'s torch.utils.checkpoint has no forward-mode "
+                          "rule; the forward-mode HVP through it is left blank", file=sys.stderr)
                     mib[workload] = None
                     continue
                 if done.returncode:
-                    sys.exit(f"{workload} at context {context}, checkpointing {checkpoint}: the child process "
+                    sys.exit(f"{workload} at context {context}, checkpointing {checkpointing}: the child process "
                              f"exited {done.returncode}:\n{done.stderr[-3000:]}")
                 mib[workload] = float(done.stdout.split()[-1])
-            ratio = round(mib["for"] / mib["ror"], 3) if mib["for"] is not None and mib["ror"] > 0 else None
-            rows.append({"context": context, "checkpoint_activations": checkpoint,
+            if checkpointing == "off":
+                plain_ror = mib["ror"]
+            rows.append({"context": context, "checkpointing": checkpointing,
                          **{f"{w}_mib": None if mib[w] is None else round(mib[w], 1) for w in WORKLOADS},
-                         "for_over_ror": ratio})
+                         "for_over_ror": ratio(mib["for"], mib["ror"]), "for_over_plain_ror": ratio(mib["for"], plain_ror)})
     if args.out:
         write_rows(args.out, rows)
-    print("| context | checkpointing | gradient | HVP reverse | HVP forward | forward / reverse |\n"
-          "|---|---|---|---|---|---|")
+    print("| context | checkpointing | gradient | HVP reverse | HVP forward | forward / reverse | "
+          "forward / reverse without checkpointing |\n|---|---|---|---|---|---|---|")
     for r in rows:
         forward = "-" if r["for_mib"] is None else f"{r['for_mib']:.0f} MiB"
-        print(f"| {r['context']} | {'on' if r['checkpoint_activations'] else 'off'} | {r['grad_mib']:.0f} MiB | "
-              f"{r['ror_mib']:.0f} MiB | {forward} | "
-              + (f"{r['for_over_ror']:.2f}x |" if r["for_over_ror"] is not None else "- |"))
+        ratios = " | ".join("-" if x is None else f"{x:.2f}x" for x in (r["for_over_ror"], r["for_over_plain_ror"]))
+        print(f"| {r['context']} | {r['checkpointing']} | {r['grad_mib']:.0f} MiB | {r['ror_mib']:.0f} MiB | "
+              f"{forward} | {ratios} |")
 
 
 if __name__ == "__main__":

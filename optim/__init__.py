@@ -2,6 +2,7 @@
 
 from optim.adahessian import AdaHessian
 from optim.cg import CGResult, cg
+from optim.checkpoint import checkpoint
 from optim.curvature import (AutogradLossHessian, CrossEntropyHessian, CurvatureOperator, GGNOperator, HessianOperator,
                              LossGraphHessian, LossHessian, MSEHessian, functional, ggnvp, hutchinson_diagonal, hvp,
                              power_iteration, trace)
@@ -23,6 +24,7 @@ __all__ = [
     "SophiaG",
     "SophiaH",
     "cg",
+    "checkpoint",
     "functional",
     "gauss_newton_bartlett",
     "ggnvp",

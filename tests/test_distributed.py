@@ -379,6 +379,20 @@ def test_torchrun_two_processes_match_one_with_the_global_batch_and_resume(tmp_p
 
 
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="needs the gloo backend")
+def test_torchrun_with_checkpointed_blocks_matches_one_process(tmp_path):
+    """optim.checkpoint hands the parameters' gradients to autograd as its outputs, so DDP's hooks average them:
+    two ranks with recomputed blocks follow one process on the global batch without recomputation."""
+    settings = ("model.n_layers=2", "train.checkpoint_interval=0")
+    launch(tmp_path, 2, "name=ddp", "model.checkpoint_activations=true", *settings)
+    launch(tmp_path, 1, "name=single", "data.batch_size=4", *settings)
+    ddp, single = rows(tmp_path / "ddp"), rows(tmp_path / "single")
+    assert [r["step"] for r in ddp] == [1, 2, 3, 4]
+    for a, b in zip(ddp, single, strict=True):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4)
+    assert ddp[-1]["train/loss"] != ddp[0]["train/loss"]
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="needs the gloo backend")
 def test_torchrun_second_order_optimizer_runs_replicated_with_one_wandb_run(tmp_path):
     settings = ("optimizer.name=sophiah", "optimizer.lr=1e-3", "optimizer.kwargs={update_period: 2}",
                 "train.steps=3", "train.eval_interval=3", "logger.kind=wandb")

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+import optim
 from recipes.common.transformer import AttentionFn, AttentionSwitch, RMSNorm, kv_heads, mlp_hidden, rotate, silu
 
 
@@ -140,7 +140,7 @@ class GPT(nn.Module):
         x = self.embed(tokens)
         for block in self.blocks:
             if self.checkpoint_activations and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
+                x = optim.checkpoint(block, x)
             else:
                 x = block(x)
         return self.head(self.norm(x))

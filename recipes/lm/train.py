@@ -59,7 +59,7 @@ class ModelConfig:
     rope_base: float = 10000.0  # rotary embedding base
     tie_embeddings: bool = True  # output head shares the token embedding matrix
     dropout: float = 0.0  # after attention and MLP outputs
-    checkpoint_activations: bool = False  # recompute each block in backward (torch.utils.checkpoint)
+    checkpoint_activations: bool = False  # recompute each block in backward (optim.checkpoint; forward mode too)
     attention: str = "auto"  # flashbob: auto | triton | blocked; eager (naive); sdpa (torch, flashbob for curvature)
 
 
