@@ -52,7 +52,10 @@ class _Run:
     def __call__(self, tensors: list[Tensor]) -> Tensor:
         """The first run, in the caller's random-number and autocast state."""
         params = dict(zip(self.names, tensors[self.n_inputs:]))
-        return functional_call(self.module, params, tuple(tensors[: self.n_inputs]))
+        output = functional_call(self.module, params, tuple(tensors[: self.n_inputs]))
+        if not isinstance(output, Tensor):
+            raise TypeError(f"checkpoint: the module must return one tensor, got {type(output).__name__}")
+        return output
 
     def again(self, tensors: list[Tensor]) -> Tensor:
         """A run that repeats the first: its random numbers and autocast, the caller's generators left as found."""
@@ -93,13 +96,15 @@ class _Recomputed(torch.autograd.Function):
 def checkpoint(module: nn.Module, *inputs: Tensor) -> Tensor:
     """``module(*inputs)`` (one tensor out), keeping only ``inputs`` for the backward, which runs ``module``
     again; differentiable in reverse mode (also twice) and in forward-over-reverse (module docstring)."""
+    if not inputs:
+        raise TypeError("checkpoint: inputs must hold at least one tensor (the block's input)")
     for i, x in enumerate(inputs):
         if not isinstance(x, Tensor):
             raise TypeError(f"checkpoint: inputs[{i}] must be a tensor, got {type(x).__name__}; close over "
                             "other arguments in the module")
     named = list(module.named_parameters())
     tensors = [*inputs, *(p for _, p in named)]
-    device_type = inputs[0].device.type if inputs else "cpu"
+    device_type = inputs[0].device.type
     devices, device_rng = get_device_states(*inputs) if device_type != "cpu" else ([], [])
     run = _Run(module, [name for name, _ in named], len(inputs), device_type,
                (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)),

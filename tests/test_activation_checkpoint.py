@@ -95,6 +95,15 @@ def test_only_what_requires_grad_gets_a_gradient() -> None:
     assert block.bias.grad is None
 
 
-def test_a_non_tensor_input_is_refused_by_position() -> None:
+class TwoOutputs(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x
+
+
+def test_inputs_and_outputs_that_are_not_tensors_are_refused() -> None:
     with pytest.raises(TypeError, match=r"checkpoint: inputs\[1\] must be a tensor, got float"):
         optim.checkpoint(nn.Bilinear(2, 2, 1), torch.randn(1, 2), 0.5)
+    with pytest.raises(TypeError, match="checkpoint: inputs must hold at least one tensor"):
+        optim.checkpoint(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="checkpoint: the module must return one tensor, got tuple"):
+        optim.checkpoint(TwoOutputs(), torch.randn(2, requires_grad=True))
