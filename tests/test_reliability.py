@@ -236,11 +236,14 @@ def test_shifted_logits_float32_no_worse_than_eager(gen, backend, kind):
 def test_peaked_logits_float32(gen, backend):
     """One-hot rows in float32: all outputs finite; the well-conditioned ``O`` and ``dV`` accurate.
 
-    ``O`` to 1e-5 relative on the blocked backend; the Triton kernels' scores (exp2 of pre-scaled
+    ``O`` and ``dV`` no worse than 2x eager float32's error (plus 1e-7) on the blocked backend, which computes
+    the scores as eager does: a near-tie of two large scores makes even eager's error exceed 1e-5 (1.0-1.9e-5
+    relative in 3 of 41 draws, where the blocked backend's equalled eager's to three digits; a fixed 1e-5 bar
+    failed CI once, 2026-12-02, seed 494243842). The Triton kernels' scores (exp2 of pre-scaled
     logits, another summation order) move a near-tie of a row by up to one ulp of the largest score,
-    so there ``O`` is held to the bar of ``dV`` below (1.6e-5 was seen once in CI draws). ``dV = P^T dO`` to 1e-5 on the blocked backend, which reuses the rows'
-    scores; the Triton column kernels recompute ``S^T = K Q^T``, which rounds differently from the
-    forward's ``S = Q K^T`` (numpy in the interpreter; the H200 too: dV 3.7e-5, 2026-11-30), so a
+    so there ``O`` is held to the bar of ``dV`` below (1.6e-5 was seen once in CI draws). The Triton column
+    kernels recompute ``S^T = K Q^T``, which rounds differently from the forward's ``S = Q K^T`` (numpy in the
+    interpreter; the H200 too: dV 3.7e-5, 2026-11-30), so a
     one-hot ``P`` moves by up to one ulp of the largest score: ``dV`` is held to that,
     ``eps32 max|S|`` (~8e-4 here; the interpreter gives 7e-5 to 1e-4). dQ, dK and BoB's outputs
     vanish in exact arithmetic here; the float64 test above checks them tightly."""
@@ -251,7 +254,11 @@ def test_peaked_logits_float32(gen, backend):
     q, k = (x.double() for x in problem[:2])
     largest_score = (q @ k.transpose(-1, -2)).abs().max().item() / math.sqrt(q.shape[-1])
     ulp_bar = max(1e-5, torch.finfo(torch.float32).eps * largest_score)
-    o_bar, dv_bar = (1e-5, 1e-5) if backend == "blocked" else (ulp_bar, ulp_bar)
+    if backend == "blocked":
+        eager = all_outputs(reference.attention, *problem, bars)
+        o_bar, dv_bar = (2 * relative_error(eager[i], exact[i]) + 1e-7 for i in (0, 3))
+    else:
+        o_bar, dv_bar = ulp_bar, ulp_bar
     assert relative_error(ours[0], exact[0]) < o_bar, f"o (bar {o_bar:.1e})"
     assert relative_error(ours[3], exact[3]) < dv_bar, f"dv (bar {dv_bar:.1e})"
 
