@@ -267,8 +267,9 @@ def step_costs(rows: list[dict], optimizers: list[str]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "lm" / "compare_8k.yaml")
-    parser.add_argument("--optimizers", nargs="+", default=["adamw", "sophiah", "newtoncg"], choices=optimizer_names(),
-                        metavar="NAME", help="recipe optimizers or variants (key=value overrides go before this option)")
+    parser.add_argument("--optimizers", nargs="+", default=["adamw", "sophiah", "newtoncg"],
+                        choices=optimizer_names(), metavar="NAME",
+                        help="recipe optimizers or variants (key=value overrides go before this option)")
     parser.add_argument("--tokens", type=int, default=128 * 2 * 8192,
                         help="training tokens per optimizer (rounded down to whole steps)")
     parser.add_argument("--out-dir", type=Path, help="folder for the run folders (default: a temporary one)")

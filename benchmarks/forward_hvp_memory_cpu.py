@@ -28,10 +28,10 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from benchmarks.environment import child_environment
 from benchmarks.results import write_rows
+from optim.curvature import CHECKPOINT_WITHOUT_FORWARD_RULE
 
 WORKLOADS = ("grad", "ror", "for")
 CHECKPOINTING = ("off", "optim", "torch")
-CHECKPOINT_UNSUPPORTED = "activation checkpointing (torch.utils.checkpoint)"  # optim's error where torch has no rule
 
 
 class TorchCheckpointed(nn.Module):
@@ -101,7 +101,7 @@ def main() -> None:
             for workload in WORKLOADS:
                 child = [sys.executable, __file__, "--one", workload, checkpointing, str(context)]
                 done = subprocess.run(child, capture_output=True, text=True, env=child_environment())
-                if done.returncode and workload == "for" and CHECKPOINT_UNSUPPORTED in done.stderr:
+                if done.returncode and workload == "for" and CHECKPOINT_WITHOUT_FORWARD_RULE in done.stderr:
                     print(f"context {context}: torch {torch.__version__}'s torch.utils.checkpoint has no forward-mode "
                           "rule; the forward-mode HVP through it is left blank", file=sys.stderr)
                     mib[workload] = None
@@ -114,7 +114,8 @@ def main() -> None:
                 plain_ror = mib["ror"]
             rows.append({"context": context, "checkpointing": checkpointing,
                          **{f"{w}_mib": None if mib[w] is None else round(mib[w], 1) for w in WORKLOADS},
-                         "for_over_ror": ratio(mib["for"], mib["ror"]), "for_over_plain_ror": ratio(mib["for"], plain_ror)})
+                         "for_over_ror": ratio(mib["for"], mib["ror"]),
+                         "for_over_plain_ror": ratio(mib["for"], plain_ror)})
     if args.out:
         write_rows(args.out, rows)
     print("| context | checkpointing | gradient | HVP reverse | HVP forward | forward / reverse | "

@@ -256,6 +256,9 @@ def _dual_params(params: Tensors, vec: Tensors, *, requires_grad: bool) -> tuple
     )
 
 
+CHECKPOINT_WITHOUT_FORWARD_RULE = "activation checkpointing (torch.utils.checkpoint)"  # named by the error below
+
+
 def _raised_in_checkpoint(error: BaseException) -> bool:
     """Whether ``error`` came from an autograd Function that ``torch.utils.checkpoint`` itself applies (not from
     one applied by the checkpointed code)."""
@@ -274,7 +277,7 @@ def _forward_mode_errors() -> Iterator[None]:
             raise
         if _raised_in_checkpoint(error):
             raise NotImplementedError(
-                f"mode='forward' runs through activation checkpointing (torch.utils.checkpoint), which has no "
+                f"mode='forward' runs through {CHECKPOINT_WITHOUT_FORWARD_RULE}, which has no "
                 f"forward-mode rule in torch {torch.__version__} (torch 2.11 has none, 2.13 has one). Turn "
                 "checkpointing off for curvature products, or use mode='reverse'"
             ) from error

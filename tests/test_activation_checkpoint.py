@@ -27,7 +27,8 @@ def products(model: GPT, tokens: torch.Tensor, vec: list[torch.Tensor], seed: in
     def loss() -> torch.Tensor:
         return cross_entropy(logits(), tokens[:, 1:])
 
-    result = {"gradient": list(torch.autograd.grad(loss(), params)), "hvp reverse": list(optim.hvp(loss(), params, vec))}
+    result = {"gradient": list(torch.autograd.grad(loss(), params)),
+              "hvp reverse": list(optim.hvp(loss(), params, vec))}
     if active_dropout(model) is None:
         ggn = GGNOperator(optim.functional(model, logits, params), params, CrossEntropyHessian(tokens[:, 1:]),
                           mode="forward")
