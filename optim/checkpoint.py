@@ -18,8 +18,16 @@ PyTorch's own checkpoint does not serve forward mode: in torch 2.11 it raises (n
 2.13 it keeps the tangents of a checkpointed region's activations (pytorch/pytorch#129293), so a
 forward-over-reverse product with it needs ~1.6x the memory of one without. With this one the block's
 activations and tangents exist only while that block is recomputed. The cost is one more forward pass per
-block (with tangents in forward mode). The random-number state (dropout) and the autocast state of the first
-run are restored for each recomputation, so every run computes the same function.
+block (with tangents in forward mode). The random-number state (dropout), the autocast state and the buffers
+(e.g. batch-norm statistics) of the first run are restored for each recomputation, so every run computes the
+same function and the module's state is updated once.
+
+Refused with an error rather than computed wrong: a module that modifies one of its inputs in place (the
+recomputation would start from the modified value), one that uses a tensor requiring grad that is neither an
+input nor one of its parameters (a captured tensor: its gradient would be lost; pass it as an input), and
+reverse mode through the output's tangent (reverse-over-forward: the tangent is computed without a graph).
+As in ``torch.utils.checkpoint``, random numbers drawn from an explicit ``torch.Generator`` are not replayed,
+a recomputation follows the module's training mode at the time of the backward, and forward hooks run again.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 @dataclass
 class _Run:
     """How to run the block again as it ran first: the function of (inputs, parameters), and the states of the
-    random-number generators and of autocast at the first run."""
+    random-number generators, of autocast and of the module's buffers at the first run."""
 
     module: nn.Module
     names: list[str]
@@ -46,25 +54,80 @@ class _Run:
     cpu_rng: Tensor = field(default_factory=torch.get_rng_state)
     devices: list[int] = field(default_factory=list)
     device_rng: list[Tensor] = field(default_factory=list)
+    buffers: dict[str, Tensor] = field(default_factory=dict)  # the first run's buffers it changed, as they were
     tangents: list[Tensor | None] | None = None  # of the inputs and parameters, in forward mode
+    level: Tensor | None = None  # a dual tensor of the forward-mode level of the first run: alive while it is
     output: Tensor | None = None  # the first run's output, where it was computed before the Function
 
-    def __call__(self, tensors: list[Tensor]) -> Tensor:
-        """The first run, in the caller's random-number and autocast state."""
+    def __call__(self, tensors: list[Tensor], buffers: dict[str, Tensor] | None = None) -> Tensor:
         params = dict(zip(self.names, tensors[self.n_inputs:]))
-        output = functional_call(self.module, params, tuple(tensors[: self.n_inputs]))
+        output = functional_call(self.module, {**params, **(buffers or {})}, tuple(tensors[: self.n_inputs]))
         if not isinstance(output, Tensor):
             raise TypeError(f"checkpoint: the module must return one tensor, got {type(output).__name__}")
         return output
 
+    def first(self, tensors: list[Tensor]) -> Tensor:
+        """The first run, in the caller's random-number and autocast state; keeps the buffers it changes."""
+        versions = [t._version for t in tensors]
+        buffers = dict(self.module.named_buffers())
+        before = {name: b.clone() for name, b in buffers.items()}
+        output = self(tensors)
+        for i, (t, version) in enumerate(zip(tensors, versions)):
+            if t._version != version:
+                what = f"inputs[{i}]" if i < self.n_inputs else f"parameter {self.names[i - self.n_inputs]!r}"
+                raise RuntimeError(f"checkpoint: the module modified {what} in place; the recomputation in the "
+                                   "backward would start from the modified value (use out-of-place operations, "
+                                   "e.g. inplace=False)")
+        # by value: batch norm updates its running statistics inside the kernel, without a new version
+        self.buffers = {name: copy for name, copy in before.items() if not torch.equal(buffers[name], copy)}
+        return output
+
     def again(self, tensors: list[Tensor]) -> Tensor:
-        """A run that repeats the first: its random numbers and autocast, the caller's generators left as found."""
+        """A run that repeats the first: its random numbers, autocast and buffers; the caller's generators and the
+        module's buffers are left as found."""
         with torch.random.fork_rng(devices=self.devices, device_type=self.device_type), \
                 torch.autocast(self.device_type, dtype=self.autocast[1], enabled=self.autocast[0]):
             torch.set_rng_state(self.cpu_rng)
             if self.devices:
                 set_device_states(self.devices, self.device_rng, device_type=self.device_type)
-            return self(tensors)
+            return self(tensors, {name: b.clone() for name, b in self.buffers.items()})
+
+    def in_forward_mode(self) -> bool:
+        """Whether the backward runs inside the forward-mode level of the first run (not after it ended)."""
+        return self.tangents is not None and fwAD.unpack_dual(self.level).tangent is not None
+
+
+def _refuse_captured(output: Tensor, wrt: list[Tensor]) -> None:
+    """Raise if ``output``'s graph reaches a tensor requiring grad other than ``wrt`` (and what they came from):
+    a tensor the module captured, whose gradient ``autograd.grad(output, wrt)`` would drop."""
+    stop = {t.grad_fn for t in wrt if t.grad_fn is not None}
+    leaves = {id(t) for t in wrt if t.grad_fn is None}
+    seen, todo = set(), [output.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen or node in stop:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) not in leaves:
+            raise RuntimeError(f"checkpoint: the module uses a tensor of shape {tuple(variable.shape)} that requires "
+                               "grad but is neither one of its inputs nor one of its parameters; its gradient would "
+                               "be lost: pass it to checkpoint as an input")
+        todo.extend(next_node for next_node, _ in node.next_functions)
+
+
+class _NoReverseThroughTangent(torch.autograd.Function):
+    """The output's tangent as it is, with a backward that refuses reverse-over-forward."""
+
+    @staticmethod
+    def forward(ctx, tangent: Tensor, *depends_on: Tensor) -> Tensor:
+        return tangent.view_as(tangent)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        raise RuntimeError("checkpoint: reverse mode through the tangent of a checkpointed block's output "
+                           "(reverse-over-forward) is not supported: the tangent is computed without a graph. Use "
+                           "forward-over-reverse (optim.hvp(..., mode='forward')) or no checkpointing")
 
 
 class _Recomputed(torch.autograd.Function):
@@ -75,20 +138,26 @@ class _Recomputed(torch.autograd.Function):
         ctx.run = run
         ctx.save_for_backward(*tensors)
         output, run.output = run.output, None
-        return run(list(tensors)) if output is None else output
+        return run.first(list(tensors)) if output is None else output
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
         run: _Run = ctx.run
         needs = ctx.needs_input_grad[1:]
-        create = torch.is_grad_enabled()  # under create_graph the recomputation joins the graph
+        # Under create_graph the recomputation joins the graph through an alias of each saved tensor: were it the
+        # saved tensor itself, a gradient with respect to one that another was computed from would include the
+        # path through the other, which the engine then follows again (shared or tied inputs counted twice).
+        create = torch.is_grad_enabled()
         with torch.enable_grad():
-            tensors = [t if create and need else t.detach().requires_grad_(need)
+            tensors = [t.view_as(t) if create and need else t.detach().requires_grad_(need)
                        for t, need in zip(ctx.saved_tensors, needs, strict=True)]
-            if run.tangents is not None:
+            if run.in_forward_mode():
                 tensors = [t if d is None else fwAD.make_dual(t, d) for t, d in zip(tensors, run.tangents)]
             output = run.again(tensors)
             wrt = [t for t, need in zip(tensors, needs) if need]
+            if not output.requires_grad:  # the module's output does not depend on anything requiring grad
+                return (None,) * (1 + len(needs))
+            _refuse_captured(output, wrt)
             grads = iter(torch.autograd.grad(output, wrt, grad, allow_unused=True, create_graph=create))
         return (None, *(next(grads) if need else None for need in needs))
 
@@ -101,7 +170,7 @@ def checkpoint(module: nn.Module, *inputs: Tensor) -> Tensor:
     for i, x in enumerate(inputs):
         if not isinstance(x, Tensor):
             raise TypeError(f"checkpoint: inputs[{i}] must be a tensor, got {type(x).__name__}; close over "
-                            "other arguments in the module")
+                            "other arguments in the module (a tensor that requires grad must be an input)")
     named = list(module.named_parameters())
     tensors = [*inputs, *(p for _, p in named)]
     device_type = inputs[0].device.type
@@ -114,7 +183,14 @@ def checkpoint(module: nn.Module, *inputs: Tensor) -> Tensor:
     if all(d is None for d in tangents):
         return _Recomputed.apply(run, *tensors)
     with torch.no_grad():  # y and its tangent, nothing recorded
-        dual_output = fwAD.unpack_dual(run(tensors))
+        dual_output = fwAD.unpack_dual(run.first(tensors))
     run.tangents, run.output = tangents, dual_output.primal
+    run.level = fwAD.make_dual(torch.zeros(()), torch.zeros(()))
     output = _Recomputed.apply(run, *(u.primal for u in unpacked))
-    return output if dual_output.tangent is None else fwAD.make_dual(output, dual_output.tangent)
+    if dual_output.tangent is None:
+        return output
+    tangent = dual_output.tangent
+    differentiable = [t for t in (*(u.primal for u in unpacked), *tangents) if t is not None and t.requires_grad]
+    if torch.is_grad_enabled() and differentiable:
+        tangent = _NoReverseThroughTangent.apply(tangent, *differentiable)
+    return fwAD.make_dual(output, tangent)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch import nn
 
 import optim
@@ -108,3 +109,129 @@ def test_inputs_and_outputs_that_are_not_tensors_are_refused() -> None:
         optim.checkpoint(nn.Linear(2, 2))
     with pytest.raises(TypeError, match="checkpoint: the module must return one tensor, got tuple"):
         optim.checkpoint(TwoOutputs(), torch.randn(2, requires_grad=True))
+
+
+
+def four_products(model: nn.Module, loss, vec: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+    """Gradient (plain and under ``create_graph``) and both Hessian-vector products of ``loss()``, a scalar function
+    of ``model``'s parameters."""
+    params = list(model.parameters())
+    return {"gradient": list(torch.autograd.grad(loss(), params)),
+            "gradient under create_graph": [g.detach() for g in torch.autograd.grad(loss(), params, create_graph=True)],
+            "hvp reverse": list(optim.hvp(loss(), params, vec)),
+            "hvp forward": list(optim.hvp(optim.functional(model, loss, params), params, vec, mode="forward"))}
+
+
+def assert_same_products(model: nn.Module, plain, checkpointed) -> None:
+    vec = [torch.randn_like(p) for p in model.parameters()]
+    want, got = four_products(model, plain, vec), four_products(model, checkpointed, vec)
+    for name in want:
+        for a, b in zip(want[name], got[name], strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12, msg=name)
+
+
+class Product(nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a * b.sin()
+
+
+def test_shared_blocks_and_tied_inputs_are_counted_once() -> None:
+    """Under create_graph the recomputation joins the graph; a saved tensor that another was computed from must not
+    pass its gradient twice (the first version did: gradient and reverse-mode HVP wrong, forward mode right). One
+    block applied twice, then a block given one tensor twice and a view of it."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"block": nn.Sequential(nn.Linear(3, 3), nn.Tanh()), "product": Product()}).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+
+    def loss(call) -> torch.Tensor:
+        h = call(model["block"], call(model["block"], x))
+        return (call(model["product"], h, h) + call(model["product"], h, h[:, :1])).square().sum()
+
+    assert_same_products(model, lambda: loss(lambda module, *inputs: module(*inputs)), lambda: loss(optim.checkpoint))
+
+
+def test_buffers_are_updated_once_and_restored_for_the_recomputation() -> None:
+    """Batch norm in training mode updates its running statistics inside the kernel (no new tensor version); the
+    recomputations must neither update them again nor see the updated values."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, dtype=torch.float64)
+    states = []
+    for recompute in (False, True):
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Tanh()).double()
+        products = four_products(model, lambda: (optim.checkpoint(model, x) if recompute else model(x)).square().sum(),
+                                 [torch.ones_like(p) for p in model.parameters()])
+        states.append((products, {k: v.clone() for k, v in model.state_dict().items()}))
+    (want, want_state), (got, got_state) = states
+    assert want_state["1.num_batches_tracked"] == 4  # one forward per product
+    for name in want_state:
+        torch.testing.assert_close(got_state[name], want_state[name], rtol=0, atol=0, msg=name)
+    for name in want:
+        for a, b in zip(want[name], got[name], strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_a_captured_tensor_that_requires_grad_is_refused() -> None:
+    """Its gradient would be lost: only inputs and parameters are differentiated in the recomputation."""
+    encoder = nn.Linear(3, 3)
+    memory = encoder(torch.randn(2, 3))
+
+    class Attend(nn.Module):
+        def forward(self, x):
+            return x @ memory
+
+    loss = optim.checkpoint(Attend(), torch.randn(2, 2, requires_grad=True)).sum()
+    with pytest.raises(RuntimeError, match="neither one of its inputs nor one of its parameters.*pass it to checkpoint"):
+        loss.backward()
+
+
+def test_a_module_that_modifies_its_input_in_place_is_refused() -> None:
+    for requires_grad in (False, True):
+        x = torch.randn(4, 3, requires_grad=requires_grad)
+        x = x * 1 if requires_grad else x  # not a leaf: in-place is allowed on it
+        block = nn.Sequential(nn.LeakyReLU(inplace=True), nn.Linear(3, 3))
+        with pytest.raises(RuntimeError, match=r"checkpoint: the module modified inputs\[0\] in place"):
+            optim.checkpoint(block, x)
+
+
+def test_reverse_over_forward_is_refused() -> None:
+    """The output's tangent is computed without a graph: differentiating it must raise, not return a wrong Hv."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    params = list(block.parameters())
+    with fwAD.dual_level():
+        duals = [fwAD.make_dual(p.detach().requires_grad_(), torch.randn_like(p)) for p in params]
+        loss = optim.functional(block, lambda: optim.checkpoint(block, x).square().sum(), params)(duals)
+        with pytest.raises(RuntimeError, match="reverse-over-forward"):
+            torch.autograd.grad(fwAD.unpack_dual(loss).tangent, duals)
+
+
+def test_a_backward_after_the_forward_mode_level_ended_carries_no_tangents() -> None:
+    """As without checkpointing: the first run's tangents belong to a level that is gone."""
+    block = nn.Sequential(nn.Linear(3, 3), nn.Tanh()).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    params = list(block.parameters())
+    results = []
+    for recompute in (False, True):
+        with fwAD.dual_level():
+            duals = [fwAD.make_dual(p.detach().requires_grad_(), torch.ones_like(p)) for p in params]
+            loss = optim.functional(block, lambda: (optim.checkpoint(block, x) if recompute else block(x)).sum(),
+                                    params)(duals)
+        with fwAD.dual_level():
+            grads = torch.autograd.grad(loss, duals)
+            results.append([(g.detach().clone(), fwAD.unpack_dual(g).tangent) for g in grads])
+    for (a, a_tangent), (b, b_tangent) in zip(*results, strict=True):
+        torch.testing.assert_close(b, a)
+        assert a_tangent is None and b_tangent is None
+
+
+def test_an_output_that_needs_no_gradient_gets_none() -> None:
+    class Detached(nn.Module):
+        def forward(self, x):
+            return x.detach() * 2
+
+    x = torch.randn(3, requires_grad=True)
+    out = optim.checkpoint(Detached(), x)
+    (grad,) = torch.autograd.grad(out.sum(), [x], allow_unused=True)
+    assert grad is None
