@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-from types import SimpleNamespace
 
 import torch
 from einops import rearrange
 from torch._C._functorch import is_legacy_batchedtensor
+
+from flashbob.inputs import MAX_GRID_Y
 
 SECOND_ORDER_ROUTES = (
     "Second derivatives are available as reverse-over-reverse (torch.autograd.grad with create_graph=True, "
@@ -57,23 +58,33 @@ TANGENT_ERROR = (
 )
 
 
-def _fold(info, in_dims, args):
-    """Move every vmapped dimension to the front, expand unbatched tensors, merge it with the batch dim."""
-    folded = []
-    for x, dim in zip(args, in_dims):
-        if isinstance(x, torch.Tensor):
-            x = x.expand(info.batch_size, *x.shape) if dim is None else x.movedim(dim, 0)
-            x = rearrange(x, "v b ... -> (v b) ...")
-        folded.append(x)
-    return folded
+def _vmapped(function, batch_size: int, in_dims, args):
+    """``function`` over a vmapped dimension of ``batch_size``: that dimension is moved to the front of every tensor
+    (unbatched ones are expanded) and merged with the batch dimension, in chunks whose batch * heads fit the
+    Triton kernels' grid (``jacfwd`` and ``hessian`` vmap over thousands of tangents), and split off the outputs
+    again. Returns the outputs (a tensor or a tuple of them) with the vmapped dimension first."""
+    moved = [(x.expand(batch_size, *x.shape) if dim is None else x.movedim(dim, 0)) if isinstance(x, torch.Tensor)
+             else x for x, dim in zip(args, in_dims)]
+    tensors = [x for x in moved if isinstance(x, torch.Tensor)]
+    batch = tensors[0].shape[1]
+    programs = max((x.shape[1] * x.shape[2] for x in tensors if x.dim() == 5), default=1)
+    step = max(1, MAX_GRID_Y // max(programs, 1))
+    pieces = []
+    for start in range(0, max(batch_size, 1), step):  # one call even for an empty vmap, for the outputs' shapes
+        chunk = [rearrange(x[start:start + step], "v b ... -> (v b) ...") if isinstance(x, torch.Tensor) else x
+                 for x in moved]
+        size = min(step, batch_size - start)
+        outputs = function(*chunk)
+        single = isinstance(outputs, torch.Tensor)
+        pieces.append([rearrange(y, "(v b) ... -> v b ...", v=size, b=batch) for y in ((outputs,) if single else outputs)])
+    joined = [parts[0] if len(parts) == 1 else torch.cat(parts) for parts in zip(*pieces)]
+    return joined[0] if single else tuple(joined)
 
 
-def _unfold(info, outputs):
-    """Split the merged (vmap, batch) dimension of each output (a tensor or a tuple of them) back into two."""
-    if isinstance(outputs, torch.Tensor):
-        return rearrange(outputs, "(v b) ... -> v b ...", v=info.batch_size), 0
-    unfolded = tuple(rearrange(x, "(v b) ... -> v b ...", v=info.batch_size) for x in outputs)
-    return unfolded, (0,) * len(unfolded)
+def _vmap_rule(function, info, in_dims, args):
+    """A Function's ``vmap`` staticmethod: :func:`_vmapped`, with the outputs' vmapped dimension (0) beside them."""
+    outputs = _vmapped(function, info.batch_size, in_dims, args)
+    return outputs, 0 if isinstance(outputs, torch.Tensor) else (0,) * len(outputs)
 
 
 def _legacy_vmap_level() -> int:
@@ -115,11 +126,10 @@ def _legacy_vmap_support(forward):
             for x in args
             if isinstance(x, torch.Tensor) and is_legacy_batchedtensor(x)
         )
-        info = SimpleNamespace(batch_size=batch_size)
         physical = [
             torch._remove_batch_dim(x, level, batch_size, 0) if isinstance(x, torch.Tensor) else x for x in args
         ]
-        outputs, _ = _unfold(info, forward(*_fold(info, [0] * len(args), physical)))
+        outputs = _vmapped(forward, batch_size, [0] * len(args), physical)
         if isinstance(outputs, torch.Tensor):
             return torch._add_batch_dim(outputs, 0, level)
         return tuple(torch._add_batch_dim(x, 0, level) for x in outputs)
@@ -178,7 +188,7 @@ class Attention(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, *args):
-        return _unfold(info, apply(Attention, *_fold(info, in_dims, args)))
+        return _vmap_rule(functools.partial(apply, Attention), info, in_dims, args)
 
 
 class AttentionBackward(torch.autograd.Function):
@@ -222,7 +232,7 @@ class AttentionBackward(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, *args):
-        return _unfold(info, apply(AttentionBackward, *_fold(info, in_dims, args)))
+        return _vmap_rule(functools.partial(apply, AttentionBackward), info, in_dims, args)
 
 
 class _Terminal(torch.autograd.Function):
@@ -245,7 +255,7 @@ class _Terminal(torch.autograd.Function):
 
     @classmethod
     def vmap(cls, info, in_dims, *args):
-        return _unfold(info, apply(cls, *_fold(info, in_dims, args)))
+        return _vmap_rule(functools.partial(apply, cls), info, in_dims, args)
 
 
 class BackwardOverBackward(_Terminal):

@@ -30,7 +30,7 @@ says to pass ``attn_mask.bool()``), ``dropout_p`` a number in ``[0, 1]``, ``scal
 As in torch 2.13, ``is_causal=True`` together with ``attn_mask`` attends where both allow.
 Inputs are ``(..., L, E)`` as in SDPA: 4-d ``(batch, heads, L, E)`` is used as is, 3-d
 ``(batch, L, E)`` is treated as one head per batch element, 2-d ``(L, E)`` as one of each, and
-more than 4 dimensions are flattened into the batch (``einops.pack``).
+more than 4 dimensions are flattened into the batch.
 
 :func:`patch_sdpa` routes ``torch.nn.functional.scaled_dot_product_attention`` itself through
 :func:`sdpa`, so unmodified models (nanoGPT-style code, :class:`torch.nn.TransformerEncoderLayer`
@@ -46,7 +46,6 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from einops import pack, unpack
 
 from flashbob import reference
 from flashbob.attention import attention
@@ -226,11 +225,11 @@ def sdpa(
         if query.shape[:-3] != key.shape[:-3]:
             _fallback("batch dimensions of query and key that differ (broadcast)")
             return naive_attention(*args)
-        q4, unpack_shape = pack([query], "* h l e")
-        k4, _ = pack([key], "* h l e")
-        v4, _ = pack([value], "* h l e")
+        # flatten, not einops.pack: its reshape(-1) fails on an empty batch (an empty vmap under jacfwd)
+        unpack_shape = query.shape[:-3]
+        q4, k4, v4 = (x.flatten(0, -4) for x in (query, key, value))
         if attn_mask is not None and attn_mask.dim() > 4:
-            attn_mask = attn_mask.expand(*query.shape[:-3], *attn_mask.shape[-3:]).reshape(-1, *attn_mask.shape[-3:])
+            attn_mask = attn_mask.expand(*query.shape[:-3], *attn_mask.shape[-3:]).flatten(0, -4)
     batch, heads, n, _ = q4.shape
     m = k4.shape[2]
 
@@ -245,7 +244,7 @@ def sdpa(
     out = attention(q4, k4, v4, causal=causal, scale=scale, key_mask=key_mask, backend=backend)
     if unpack_shape is None:
         return out.squeeze(1)
-    (out,) = unpack(out, unpack_shape, "* h l e")
+    out = out.unflatten(0, unpack_shape)
     while out.dim() > max(x.dim() for x in args[:3]):
         out = out.squeeze(0)
     return out

@@ -93,3 +93,50 @@ def test_vmap_over_samples_of_forward_mode(gen):
 
         close(per_sample_jvp(bob), per_sample_jvp(ref))
         close(per_sample_hvp(bob), per_sample_hvp(ref))
+
+
+@pytest.mark.parametrize("backend", ["blocked", pytest.param("triton", marks=needs_kernels)])
+def test_vmap_wider_than_the_kernel_grid_runs_in_chunks(gen, backend, monkeypatch):
+    """jacfwd and hessian vmap over one tangent per input element, folded into the batch: more than the Triton
+    grid's 65,535 programs at realistic sizes (2 heads of 64 x 256 already). The rules split the vmapped dimension
+    so that every call fits; here the limit is lowered to 5 programs (the kernels' own check lowered with it) and
+    the results must equal one unchunked call's and the reference's."""
+    import flashbob.autograd
+    import flashbob.inputs
+
+    q, k, v, keys = (x[0] for x in inputs(gen, samples=1, n=3, m=4, d=2))  # q: 2 heads x 3 x 2 = 12 tangents
+    bob, ref = fns(backend, causal=True)
+    on = lambda *x: on_backend(backend, *x) if backend == "triton" else x  # noqa: E731
+    want = torch.func.jacfwd(lambda q: ref(q, k, v, keys))(q)
+    whole = torch.func.jacfwd(lambda q: bob(q, *on(k, v), keys.to(q.device)))(*on(q))
+    calls = []
+    original = flashbob.autograd.apply
+
+    def counted(function, *args):
+        calls.append(args[0].shape[0] * args[0].shape[1])
+        return original(function, *args)
+
+    monkeypatch.setattr(flashbob.inputs, "MAX_GRID_Y", 5)
+    monkeypatch.setattr(flashbob.autograd, "MAX_GRID_Y", 5)
+    monkeypatch.setattr(flashbob.autograd, "apply", counted)
+    chunked = torch.func.jacfwd(lambda q: bob(q, *on(k, v), keys.to(q.device)))(*on(q))
+    # the primal once (2 programs), then 12 tangents x 2 heads in chunks of 2 tangents (4 programs)
+    assert max(calls) <= 5 and calls.count(4) == 6
+    close(chunked.cpu().double(), whole.cpu().double(), tol=0)
+    close(chunked.cpu().double(), want, tol=1e-10 if backend == "blocked" or INTERPRETED else 1e-5)
+
+
+def test_an_empty_vmap_gives_empty_results(gen):
+    """jacfwd of an empty batch, vmap over no tangents: empty results, as eager attention gives (an einops reshape
+    failed on them: ZeroDivisionError, 'cannot reshape tensor of 0 elements')."""
+    q, k, v, _ = (x[0] for x in inputs(gen, samples=1))
+    empty = torch.randn(0, *q.shape[1:], dtype=q.dtype)
+    jacobian = torch.func.jacfwd(lambda a: flashbob.attention(a, empty[:, :1, :5], empty[:, :1, :5],
+                                                               backend="blocked"))(empty)
+    assert jacobian.shape == (*empty.shape, *empty.shape)
+    none = torch.randn(0, *q.shape, dtype=q.dtype)
+    k_all, v_all = (x.expand(*q.shape[:2], *x.shape[2:]) for x in (k, v))  # sdpa: as many key heads as query heads
+    for attend in (lambda a: flashbob.attention(a, k, v, backend="blocked"),
+                   lambda a: flashbob.sdpa(a, k_all, v_all, backend="blocked")):
+        out = vmap(lambda t: jvp(attend, (q,), (t,))[1])(none)
+        assert out.shape == (0, *q.shape)
