@@ -35,6 +35,7 @@ import torch
 from einops import rearrange
 from torch._C._functorch import is_legacy_batchedtensor
 
+from flashbob import kept
 from flashbob.inputs import MAX_GRID_Y
 
 SECOND_ORDER_ROUTES = (
@@ -159,7 +160,8 @@ class Attention(torch.autograd.Function):
     @staticmethod
     @_legacy_vmap_support
     def forward(q, k, v, key_mask, causal: bool, scale: float, backend):
-        return backend.forward(q, k, v, causal=causal, scale=scale, key_mask=key_mask)
+        return kept.through("forward", (q, k, v, key_mask, causal, scale, backend),
+                            lambda: backend.forward(q, k, v, causal=causal, scale=scale, key_mask=key_mask))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -278,8 +280,10 @@ class AttentionTangent(_Terminal):
     @staticmethod
     @_legacy_vmap_support
     def forward(q, k, v, o, stats, q_dot, k_dot, v_dot, key_mask, causal, scale, backend):
-        return backend.forward_jvp(
-            q, k, v, o, stats, q_dot, k_dot, v_dot, causal=causal, scale=scale, key_mask=key_mask
+        return kept.through(
+            "forward_jvp", (q, k, v, o, stats, q_dot, k_dot, v_dot, key_mask, causal, scale, backend),
+            lambda: backend.forward_jvp(q, k, v, o, stats, q_dot, k_dot, v_dot, causal=causal, scale=scale,
+                                        key_mask=key_mask),
         )
 
 

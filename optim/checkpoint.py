@@ -18,7 +18,10 @@ PyTorch's own checkpoint does not serve forward mode: in torch 2.11 it raises (n
 2.13 it keeps the tangents of a checkpointed region's activations (pytorch/pytorch#129293), so a
 forward-over-reverse product with it needs ~1.6x the memory of one without. With this one the block's
 activations and tangents exist only while that block is recomputed. The cost is one more forward pass per
-block (with tangents in forward mode). The random-number state (dropout), the autocast state and the buffers
+block (with tangents in forward mode), less attention's: the outputs of the block's ``flashbob`` attention calls
+(``O``, its row statistics and, in forward mode, their tangents: ``O(N·d)`` memory each) are kept from the first
+run and reused (``save_attention=True``, the default; :mod:`flashbob.kept`), so the recomputation runs no
+``O(N²·d)`` attention forward (it still runs the attention backward it needs). The random-number state (dropout), the autocast state and the buffers
 (e.g. batch-norm statistics) of the first run are restored for each recomputation, so every run computes the
 same function and the module's state is updated once.
 
@@ -40,6 +43,8 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import get_device_states, set_device_states
 
+from flashbob import kept
+
 
 @dataclass
 class _Run:
@@ -58,6 +63,7 @@ class _Run:
     tangents: list[Tensor | None] | None = None  # of the inputs and parameters, in forward mode
     level: Tensor | None = None  # a dual tensor of the forward-mode level of the first run: alive while it is
     output: Tensor | None = None  # the first run's output, where it was computed before the Function
+    attention: kept.KeptOutputs | None = None  # the first run's attention outputs, if kept for the recomputations
 
     def __call__(self, tensors: list[Tensor], buffers: dict[str, Tensor] | None = None) -> Tensor:
         params = dict(zip(self.names, tensors[self.n_inputs:]))
@@ -71,7 +77,8 @@ class _Run:
         versions = [t._version for t in tensors]
         buffers = dict(self.module.named_buffers())
         before = {name: b.clone() for name, b in buffers.items()}
-        output = self(tensors)
+        with kept.keeping(self.attention):
+            output = self(tensors)
         for i, (t, version) in enumerate(zip(tensors, versions)):
             if t._version != version:
                 what = f"inputs[{i}]" if i < self.n_inputs else f"parameter {self.names[i - self.n_inputs]!r}"
@@ -90,7 +97,8 @@ class _Run:
             torch.set_rng_state(self.cpu_rng)
             if self.devices:
                 set_device_states(self.devices, self.device_rng, device_type=self.device_type)
-            return self(tensors, {name: b.clone() for name, b in self.buffers.items()})
+            with kept.reusing(self.attention):
+                return self(tensors, {name: b.clone() for name, b in self.buffers.items()})
 
     def in_forward_mode(self) -> bool:
         """Whether the backward runs inside the forward-mode level of the first run (not after it ended)."""
@@ -162,9 +170,13 @@ class _Recomputed(torch.autograd.Function):
         return (None, *(next(grads) if need else None for need in needs))
 
 
-def checkpoint(module: nn.Module, *inputs: Tensor) -> Tensor:
+def checkpoint(module: nn.Module, *inputs: Tensor, save_attention: bool = True) -> Tensor:
     """``module(*inputs)`` (one tensor out), keeping only ``inputs`` for the backward, which runs ``module``
-    again; differentiable in reverse mode (also twice) and in forward-over-reverse (module docstring)."""
+    again; differentiable in reverse mode (also twice) and in forward-over-reverse (module docstring).
+
+    With ``save_attention`` (the default) the outputs of the module's ``flashbob`` attention calls (``O`` and its
+    row statistics, and in forward mode their tangents) are kept too and reused by the recomputation, which
+    then skips attention's forward kernels: ``O(N·d)`` more memory per call for ``O(N²·d)`` less work."""
     if not inputs:
         raise TypeError("checkpoint: inputs must hold at least one tensor (the block's input)")
     for i, x in enumerate(inputs):
@@ -177,7 +189,7 @@ def checkpoint(module: nn.Module, *inputs: Tensor) -> Tensor:
     devices, device_rng = get_device_states(*inputs) if device_type != "cpu" else ([], [])
     run = _Run(module, [name for name, _ in named], len(inputs), device_type,
                (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)),
-               devices=devices, device_rng=device_rng)
+               devices=devices, device_rng=device_rng, attention=kept.KeptOutputs() if save_attention else None)
     unpacked = [fwAD.unpack_dual(t) for t in tensors]
     tangents = [u.tangent for u in unpacked]
     if all(d is None for d in tangents):

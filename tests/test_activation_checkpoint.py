@@ -4,14 +4,23 @@ and leaves the random-number generator as the plain model does."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import importlib
+
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch import nn
 
+import flashbob
 import optim
+from flashbob import blocked
 from optim.curvature import CrossEntropyHessian, GGNOperator, active_dropout
 from recipes.lm.model import GPT, cross_entropy
+from tests.helpers import BACKENDS, exact_tolerance, on_backend
+
+ATTENTION_MODULE = importlib.import_module("flashbob.attention")  # the package's ``attention`` is the function
 
 VOCAB = 64
 
@@ -235,3 +244,127 @@ def test_an_output_that_needs_no_gradient_gets_none() -> None:
     out = optim.checkpoint(Detached(), x)
     (grad,) = torch.autograd.grad(out.sum(), [x], allow_unused=True)
     assert grad is None
+
+
+# Attention outputs kept from the first run (save_attention=True) and reused by the recomputation.
+
+class Attend(nn.Module):
+    """Self-attention of ``x`` ``(batch, heads, n, 3 * head_dim)`` split into q, k, v, through flashbob."""
+
+    def __init__(self, backend: str = "blocked", causal: bool = True):
+        super().__init__()
+        self.backend, self.causal = backend, causal
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = x.chunk(3, dim=-1)
+        return flashbob.attention(q, k, v, causal=self.causal, backend=self.backend)
+
+
+@pytest.fixture
+def attention_calls(monkeypatch) -> dict[str, int]:
+    """How often the blocked backend's attention forward and forward tangent run (counted, then run)."""
+    calls = {"forward": 0, "forward_jvp": 0}
+
+    def counted(name: str):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return getattr(blocked, name)(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(ATTENTION_MODULE, "BLOCKED",
+                        dataclasses.replace(ATTENTION_MODULE.BLOCKED, forward=counted("forward"),
+                                            forward_jvp=counted("forward_jvp")))
+    return calls
+
+
+@pytest.mark.parametrize("save_attention", [True, False])
+def test_the_recomputation_reuses_the_attention_outputs(attention_calls, monkeypatch, save_attention: bool) -> None:
+    """The recipe GPT (3 blocks) gives the plain model's products either way; with save_attention the backend runs
+    attention's forward and forward tangent as often as without checkpointing, without it more often."""
+    monkeypatch.setattr(optim, "checkpoint", functools.partial(optim.checkpoint, save_attention=save_attention))
+    torch.manual_seed(0)
+    model = GPT(vocab_size=VOCAB, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, mlp="gelu",
+                attention="blocked").double()
+    tokens = torch.randint(0, VOCAB, (2, 19))
+    vec = [torch.randn_like(p) for p in model.parameters()]
+    counts = {}
+    for recompute in (False, True):
+        model.checkpoint_activations = recompute
+        attention_calls.update(forward=0, forward_jvp=0)
+        counts[recompute] = products(model, tokens, vec, seed=5), dict(attention_calls)
+    (plain, plain_calls), (checkpointed, checkpointed_calls) = counts[False], counts[True]
+    for name in plain:
+        for a, b in zip(plain[name], checkpointed[name], strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12, msg=name)
+    assert plain_calls["forward"] > 0 and plain_calls["forward_jvp"] > 0
+    if save_attention:  # the recomputations ran no attention forward and no forward tangent
+        assert checkpointed_calls == plain_calls
+    else:
+        assert all(checkpointed_calls[name] > plain_calls[name] for name in plain_calls)
+
+
+class Remembering(Attend):
+    """Keeps a reference to its last output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.last = super().forward(x)
+        return self.last * 1
+
+
+def test_a_kept_output_modified_in_place_is_computed_again(attention_calls) -> None:
+    """A kept O changed in place after the first run (here through a reference the module kept) is not reused:
+    the recomputation computes it again (without checkpointing the backward would refuse the changed O)."""
+    x = torch.randn(1, 2, 7, 12, dtype=torch.float64, requires_grad=True)
+    block = Remembering()
+    y = optim.checkpoint(block, x)
+    with torch.no_grad():
+        block.last.mul_(3)
+    got = torch.autograd.grad(y.square().sum(), [x])[0]
+    want = torch.autograd.grad(Attend()(x).square().sum(), [x])[0]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert attention_calls["forward"] == 3  # the first run, the recomputation, the plain block
+
+
+def test_a_backward_twice_reuses_the_outputs_twice(attention_calls) -> None:
+    x = torch.randn(2, 2, 9, 12, dtype=torch.float64, requires_grad=True)
+    y = optim.checkpoint(Attend(), x).sin().sum()
+    first = torch.autograd.grad(y, [x], retain_graph=True)[0]
+    second = torch.autograd.grad(y, [x])[0]
+    want = torch.autograd.grad(Attend()(x).sin().sum(), [x])[0]
+    torch.testing.assert_close(first, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(second, want, rtol=1e-12, atol=1e-12)
+    assert attention_calls["forward"] == 2  # the first run and the plain one
+
+
+class Alternating(Attend):
+    """Causal on odd calls, not on even ones: the recomputation computes another function than the first run."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.causal = self.calls % 2 == 1
+        return super().forward(x)
+
+
+def test_a_recomputation_that_calls_attention_differently_is_refused() -> None:
+    x = torch.randn(1, 2, 5, 12, dtype=torch.float64, requires_grad=True)
+    y = optim.checkpoint(Alternating(), x).sum()
+    with pytest.raises(RuntimeError, match="called attention's forward differently from the first run"):
+        torch.autograd.grad(y, [x])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kept_outputs_through_both_backends_in_both_modes(backend: str) -> None:
+    """Gradient (also under create_graph) and both HVP modes through a checkpointed linear + attention block equal
+    the plain block's."""
+    block = nn.Sequential(nn.Linear(12, 12), Attend(backend, causal=False)).double()
+    x, = on_backend(backend, torch.randn(1, 2, 11, 12, dtype=torch.float64))
+    block = block.to(x)
+
+    vec = [torch.randn_like(p) for p in block.parameters()]
+    want = four_products(block, lambda: block(x).square().sum(), vec)
+    got = four_products(block, lambda: optim.checkpoint(block, x).square().sum(), vec)
+    for name in want:
+        for a, b in zip(want[name], got[name], strict=True):
+            torch.testing.assert_close(b, a, rtol=exact_tolerance(x), atol=exact_tolerance(x), msg=name)

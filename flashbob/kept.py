@@ -1,0 +1,125 @@
+"""Attention outputs kept from a first run and handed out again when that run is repeated (selective
+activation checkpointing).
+
+A checkpointed block (``optim.checkpoint``) runs twice: once in the forward, keeping nothing, and again in
+the backward to rebuild its activations. Attention's forward (``O`` and the row statistics) and, in forward
+mode, its tangent (``Ȯ`` and the statistics' tangent) are the dear part of that second run: ``O(N·M·d)`` work
+each, against ``O(N·d)`` memory for their outputs. Inside :func:`keeping` the Functions of
+:mod:`flashbob.autograd` store those outputs in call order; inside :func:`reusing` the same calls of the
+repeated run take them from the store instead of launching the kernels.
+
+Nothing is reused that could be wrong:
+
+- each call must match its counterpart of the first run (same pass, backend, shapes, dtypes, devices, strides,
+  flags and scale, same tangents present); a repeated run that calls attention differently raises an error;
+- a kept output that was modified in place since it was kept (its version changed) makes the whole repeated
+  run compute afresh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+
+Outputs = tuple[torch.Tensor | None, ...]
+
+
+def _signature(args: tuple) -> tuple:
+    """What a call depends on besides the tensors' values: for each tensor its shape, stride, dtype and device."""
+    return tuple((tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _aliases(outputs: Outputs) -> Outputs:
+    """New tensors sharing each output's storage and version counter, with no graph or tangent."""
+    return tuple(None if t is None else t.detach() for t in outputs)
+
+
+def _describe(signature: tuple) -> str:
+    """A signature as text (a backend by its name)."""
+    return "(" + ", ".join(str(getattr(a, "name", a)) for a in signature) + ")"
+
+
+@dataclass
+class KeptOutputs:
+    """The outputs of each pass (``"forward"``, ``"forward_jvp"``) of one run, in call order, with the signature
+    of the call that made them and their versions when kept."""
+
+    calls: dict[str, list[tuple[tuple, Outputs, list[int]]]] = field(default_factory=dict)
+    positions: dict[str, int] = field(default_factory=dict)
+    reusing: bool = False
+
+    def intact(self) -> bool:
+        """Whether no kept output was modified in place since it was kept."""
+        return all(t is None or t._version == version for entries in self.calls.values()
+                   for _, outputs, versions in entries for t, version in zip(outputs, versions))
+
+    def keep(self, name: str, signature: tuple, outputs: Outputs) -> None:
+        kept = _aliases(outputs)  # without the first run's tangent or graph
+        self.calls.setdefault(name, []).append((signature, kept, [t is not None and t._version for t in kept]))
+
+    def take(self, name: str, signature: tuple) -> Outputs:
+        """The next kept outputs of pass ``name``; raises if the call differs from the first run's."""
+        position = self.positions.get(name, 0)
+        entries = self.calls.get(name, [])
+        if position >= len(entries) or entries[position][0] != signature:
+            first = f"call {position + 1} of the first run's {len(entries)} was {_describe(entries[position][0])}" \
+                if position < len(entries) else f"the first run made {len(entries)} such calls"
+            raise RuntimeError(
+                f"flashbob: a repeated run (activation checkpointing) called attention's {name} differently from "
+                f"the first run: {_describe(signature)}, where {first}. The block must compute the same function each time it "
+                "runs; to recompute attention instead of reusing its outputs, pass save_attention=False to "
+                "optim.checkpoint")
+        self.positions[name] = position + 1
+        return _aliases(entries[position][1])  # fresh ones per run, each run's graph sets their history
+
+
+_ACTIVE: ContextVar[KeptOutputs | None] = ContextVar("flashbob_kept_outputs", default=None)
+
+
+@contextmanager
+def _active(store: KeptOutputs | None) -> Iterator[None]:
+    token = _ACTIVE.set(store)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+@contextmanager
+def keeping(store: KeptOutputs | None) -> Iterator[None]:
+    """Attention passes inside store their outputs in ``store`` (``None``: keep nothing; also stops an outer
+    store from seeing them)."""
+    if store is not None:
+        store.calls.clear()
+        store.reusing = False
+    with _active(store):
+        yield
+
+
+@contextmanager
+def reusing(store: KeptOutputs | None) -> Iterator[None]:
+    """Attention passes inside take their outputs from ``store``, in the order they were kept, if no kept output
+    was modified since; otherwise (or with ``store`` ``None``) they compute afresh."""
+    if store is not None:
+        store.positions.clear()
+        store.reusing = store.intact()
+    with _active(store if store is not None and store.reusing else None):
+        yield
+
+
+def through(name: str, args: tuple, compute: Callable[[], Outputs]) -> Outputs:
+    """``compute()``, the attention pass ``name`` on ``args`` (its tensors and options), kept or reused as the active
+    store says."""
+    store = _ACTIVE.get()
+    if store is None:
+        return compute()
+    signature = (name, *_signature(args))
+    if store.reusing:
+        return store.take(name, signature)
+    outputs = compute()
+    store.keep(name, signature, outputs)
+    return outputs
