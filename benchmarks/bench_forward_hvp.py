@@ -14,7 +14,10 @@ from scratch (forward included), at every ``--contexts`` length through flashbob
   with tangents, then a backward that carries them: attention's forward and backward JVP kernels);
 * ``hvp_forward_checkpointed``: the same with each block recomputed in the backward (the model's
   ``checkpoint_activations``, i.e. ``optim.checkpoint``): the blocks' activations and tangents are not kept,
-  for one more forward with tangents per block.
+  for one more forward with tangents per block, less attention's (its outputs are kept and reused);
+* ``hvp_forward_checkpointed_recompute_attention``: the same with ``optim.checkpoint(...,
+  save_attention=False)``: the recomputation runs attention's forward and forward tangent again;
+* ``hvp_reverse_checkpointed``: reverse-over-reverse with ``optim.checkpoint`` on every block.
 
 and at ``--ggn-context``, ``curvlinops.GGNLinearOperator`` mat-vecs (``jvp`` of the model, the
 cross-entropy Hessian, a ``vjp``; built on torch.func) with attention through flashbob
@@ -37,6 +40,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from contextlib import nullcontext
+from functools import partial
 from unittest import mock
 
 import torch
@@ -92,18 +96,29 @@ def hvp_workloads(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
 
     loss_fn = optim.functional(model, loss, params)
 
-    def hvp_forward_checkpointed():
-        model.checkpoint_activations = True
-        try:
-            return optim.hvp(loss_fn, params, vec, mode="forward")
-        finally:
-            model.checkpoint_activations = False
+    def checkpointed(product: Callable, save_attention: bool = True) -> Callable:
+        def run():
+            model.checkpoint_activations = True
+            try:
+                with mock.patch.object(optim, "checkpoint", partial(optim.checkpoint, save_attention=save_attention)):
+                    return product()
+            finally:
+                model.checkpoint_activations = False
+        return run
+
+    def hvp_reverse():
+        return optim.hvp(loss(), params, vec)
+
+    def hvp_forward():
+        return optim.hvp(loss_fn, params, vec, mode="forward")
 
     return {
         "grad": lambda: torch.autograd.grad(loss(), params),
-        "hvp_reverse": lambda: optim.hvp(loss(), params, vec),
-        "hvp_forward": lambda: optim.hvp(loss_fn, params, vec, mode="forward"),
-        "hvp_forward_checkpointed": hvp_forward_checkpointed,
+        "hvp_reverse": hvp_reverse,
+        "hvp_forward": hvp_forward,
+        "hvp_forward_checkpointed": checkpointed(hvp_forward),
+        "hvp_forward_checkpointed_recompute_attention": checkpointed(hvp_forward, save_attention=False),
+        "hvp_reverse_checkpointed": checkpointed(hvp_reverse),
     }
 
 

@@ -20,6 +20,9 @@ What is not differentiable raises a clear error instead of returning a wrong ans
 and the backward's tangents (third derivatives), and the forward's tangent differentiated again
 (reverse-over-forward such as ``jacrev(jacfwd(f))``, forward-over-forward such as ``jacfwd(jacfwd(f))``).
 
+The forward passes (``Attention``, ``AttentionTangent``) run through :func:`flashbob.kept.through`, so that a
+checkpointed block's recomputation can reuse their outputs from its first run.
+
 The optional boolean key-padding mask ``key_mask`` ``(batch, M)`` is a non-differentiable input
 of every level. All Functions use the ``setup_context`` style and define a ``vmap`` rule that folds
 the vmapped dimension into the batch dimension, so ``torch.func.grad``, ``vjp``, ``jacrev``,

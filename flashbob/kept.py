@@ -8,7 +8,8 @@ each, against ``O(N·d)`` memory for their outputs. Inside :func:`keeping` the F
 :mod:`flashbob.autograd` store those outputs in call order; inside :func:`reusing` the same calls of the
 repeated run take them from the store instead of launching the kernels.
 
-Nothing is reused that could be wrong:
+As with any activation checkpointing the repeated run must compute the same function from the same inputs (so
+that the kept outputs are the ones it would compute); what can be checked is:
 
 - each call must match its counterpart of the first run (same pass, backend, shapes, dtypes, devices, strides,
   flags and scale, same tangents present); a repeated run that calls attention differently raises an error;
@@ -70,9 +71,9 @@ class KeptOutputs:
                 if position < len(entries) else f"the first run made {len(entries)} such calls"
             raise RuntimeError(
                 f"flashbob: a repeated run (activation checkpointing) called attention's {name} differently from "
-                f"the first run: {_describe(signature)}, where {first}. The block must compute the same function each time it "
-                "runs; to recompute attention instead of reusing its outputs, pass save_attention=False to "
-                "optim.checkpoint")
+                f"the first run: {_describe(signature)}, where {first}. The block must compute the same function "
+                "each time it runs; to recompute attention instead of reusing its outputs, pass "
+                "save_attention=False to optim.checkpoint")
         self.positions[name] = position + 1
         return _aliases(entries[position][1])  # fresh ones per run, each run's graph sets their history
 
