@@ -44,7 +44,7 @@ def _describe(signature: tuple) -> str:
     return "(" + ", ".join(str(getattr(a, "name", a)) for a in signature) + ")"
 
 
-@dataclass
+@dataclass(eq=False)
 class KeptOutputs:
     """The outputs of each pass (``"forward"``, ``"forward_jvp"``) of one run, in call order, with the signature
     of the call that made them and their versions when kept."""
