@@ -64,6 +64,12 @@ def select_backend(q: torch.Tensor, backend: BackendName) -> Backend:
             f"backend='triton' needs CUDA tensors (got device {q.device}), or TRITON_INTERPRET=1 set "
             "before triton is imported to run the kernels in Triton's interpreter"
         )
+    if not q.is_cuda and q.dtype == torch.bfloat16:
+        raise ValueError(
+            "backend='triton' on CPU tensors (Triton's interpreter) does not take bfloat16: the interpreter computes "
+            "tl.dot on bfloat16 operands wrongly (seen with Triton 3.9); use float16, float32 or float64 there, "
+            "backend='blocked', or a GPU"
+        )
     return _triton_backend(allow_tf32=torch.get_float32_matmul_precision() != "highest")
 
 

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from flashbob import reference
 from flashbob.attention import attention
-from flashbob.inputs import check_backend, check_sdpa_arguments
+from flashbob.inputs import accumulator_dtype, check_backend, check_sdpa_arguments
 
 __all__ = ["sdpa", "patch_sdpa", "set_strict", "is_strict", "FallbackWarning", "FallbackError"]
 
@@ -108,11 +108,16 @@ def naive_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     Boolean masks: True = attend; rows that attend to nothing give zero output (and gradients). Float
     masks are added to the scores (in the scores' dtype, as SDPA). The kv heads (dimension -3) are
     repeated when their number differs from the query's, which
-    :func:`~flashbob.inputs.check_sdpa_arguments` allows only with ``enable_gqa``.
+    :func:`~flashbob.inputs.check_sdpa_arguments` allows only with ``enable_gqa``. float16 and bfloat16 inputs
+    are computed in float32 and the output rounded back, as SDPA's math backend does.
     """
+    dtype = query.dtype
+    wide = accumulator_dtype(dtype)
+    query, key, value, attn_mask = (x.to(wide) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                                    for x in (query, key, value, attn_mask))
     return reference.attention(
         query, key, value, causal=is_causal, scale=scale, attn_mask=attn_mask, dropout_p=dropout_p
-    )
+    ).to(dtype)
 
 
 def _opaque_mask_reason(mask: torch.Tensor) -> str | None:
@@ -181,6 +186,20 @@ def key_mask_of(mask: torch.Tensor, batch: int, heads: int, n: int, m: int) -> t
     return None, False
 
 
+def _autocast(*tensors):
+    """Cast as autocast casts SDPA's arguments (lower-precision list): floating tensors other than float64 go to
+    the autocast dtype of the query's device."""
+    query = tensors[0]
+    if not isinstance(query, torch.Tensor):
+        return tensors
+    device = query.device.type
+    if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64
+                 else x for x in tensors)
+
+
 def sdpa(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -196,7 +215,9 @@ def sdpa(
     """:func:`torch.nn.functional.scaled_dot_product_attention` with exact double backward.
 
     Same arguments and result as SDPA (see the module docstring for what runs on the flashbob
-    backends and what on the exact fallback); ``backend`` is passed to :func:`flashbob.attention`.
+    backends and what on the exact fallback); ``backend`` is passed to :func:`flashbob.attention`. Under
+    autocast the floating arguments other than float64 are first cast to the autocast dtype, as autocast casts
+    SDPA's.
 
     Raises:
         TypeError, ValueError: a malformed argument (:func:`~flashbob.inputs.check_sdpa_arguments`), named in
@@ -204,7 +225,10 @@ def sdpa(
         RuntimeError: head counts that do not fit (as SDPA).
         FallbackError: in strict mode, a request that would take the exact fallback.
     """
+    query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
     check_sdpa_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
+    if query.dim() == 2 and key.dim() > 2:
+        query = query.unsqueeze(0)  # (L, E) broadcasts as (1, L, E): one head, as in SDPA
     if not enable_gqa and query.dim() > 2 and key.dim() > 2 and query.shape[-3] == 1 < key.shape[-3]:
         query = query.expand(*query.shape[:-3], key.shape[-3], *query.shape[-2:])  # one query head broadcasts
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)

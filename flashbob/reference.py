@@ -21,7 +21,7 @@ from einops import repeat
 
 def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     """Repeat each kv head (dimension -3) ``heads // kv_heads`` times so it lines up with the query heads."""
-    if x.dim() < 3 or x.shape[-3] == heads:
+    if x.dim() < 3 or x.shape[-3] == heads or heads == 1:  # one query head broadcasts over the kv heads
         return x
     return repeat(x, "... h m d -> ... (h g) m d", g=heads // x.shape[-3])
 
@@ -75,7 +75,8 @@ def log_sum_exp(q, k, *, causal=False, scale=None, key_mask=None) -> torch.Tenso
 def masked_scores(q, k, *, causal=False, scale=None, key_mask=None, attn_mask=None):
     """The scores ``S = τ Q Kᵀ`` (plus a float ``attn_mask``), ``-inf`` where a key is hidden, and the
     boolean mask of the visible keys (:func:`visible`; None when nothing is hidden)."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0  # d = 0: every score is 0 whatever the scale
     scores = scale * q @ expand_kv(k, _heads(q)).transpose(-1, -2)
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         scores = (scores + attn_mask).to(scores.dtype)

@@ -133,6 +133,14 @@ def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
         flashbob.attention(q, k, v, backend="triton")
 
 
+def test_the_interpreter_refuses_bfloat16(monkeypatch):
+    """Triton's interpreter gets tl.dot on bfloat16 operands wrong (errors of 1e9 seen with Triton 3.9)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.bfloat16) for _ in range(3))
+    with pytest.raises(ValueError, match="does not take bfloat16"):
+        flashbob.attention(q, k, v, backend="triton")
+
+
 def test_float64_cuda_tensors_take_the_blocked_backend():
     """Triton cannot compile float64 kernels for Hopper: auto picks the blocked backend, triton refuses."""
     from flashbob.attention import BLOCKED, select_backend

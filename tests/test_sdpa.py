@@ -103,7 +103,7 @@ def test_gqa_checks(gen):
 @pytest.mark.parametrize(
     "shapes",
     [((2, 4, 9, 8), (2, 1, 11, 8)), ((4, 9, 8), (1, 11, 8)), ((2, 4, 9, 8), (11, 8)),
-     ((2, 1, 9, 8), (2, 4, 11, 8)), ((1, 9, 8), (3, 11, 8))],
+     ((2, 1, 9, 8), (2, 4, 11, 8)), ((1, 9, 8), (3, 11, 8)), ((9, 8), (3, 11, 8)), ((9, 8), (2, 3, 11, 8))],
 )
 def test_one_head_broadcasts_without_enable_gqa_as_in_torch(gen, shapes):
     """SDPA broadcasts a single kv head over the query's heads without enable_gqa (multi-query attention written
@@ -115,6 +115,7 @@ def test_one_head_broadcasts_without_enable_gqa_as_in_torch(gen, shapes):
     for kwargs in ({}, dict(is_causal=True), dict(attn_mask=keys)):
         got = flashbob.sdpa(q, k, v, **kwargs)
         want = TORCH_SDPA(q, k, v, **kwargs)
+        assert got.shape == want.shape  # a 2-d query against 3-d keys gave (0, 9, 8) for (3, 9, 8)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
         grads = [torch.autograd.grad(out.sin().sum(), (q, k, v)) for out in (got, want)]
         for a, b in zip(*grads):
@@ -130,6 +131,39 @@ def test_one_query_head_against_a_per_head_mask_as_in_torch(gen):
         torch.testing.assert_close(flashbob.sdpa(q, k, v, attn_mask=mask), TORCH_SDPA(q, k, v, attn_mask=mask))
     with pytest.raises(RuntimeError, match="must divide"):  # torch refuses it too
         flashbob.sdpa(q, k, v, enable_gqa=True)
+
+
+def test_autocast_casts_the_arguments_as_torch_does(gen):
+    """Under autocast SDPA runs in the autocast dtype (a float32 query with bfloat16 keys included); flashbob.sdpa
+    returned float32 (and refused the mixed dtypes)."""
+    q, k, v = (x.float() for x in qkv(gen, kv_heads=4))
+    for keys in (k, k.bfloat16()):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got, want = flashbob.sdpa(q, keys, v, is_causal=True), TORCH_SDPA(q, keys, v, is_causal=True)
+        assert got.dtype == want.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_an_empty_head_dim_averages_the_values_as_torch_does(gen):
+    q, k = (torch.randn(2, 3, 5, 0, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(2, 3, 5, 4, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(flashbob.sdpa(q, k, v), TORCH_SDPA(q, k, v), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_fallback_computes_half_precision_in_float32_as_torch_does(gen, dtype):
+    """An additive bias takes the fallback; in float16/bfloat16 it computed scores, softmax and P V in that dtype,
+    with 1.7x torch's error against float64."""
+    q, k, v = qkv(gen, kv_heads=4, n=33, m=33, d=16)
+    bias = torch.randn(2, 4, 33, 33, generator=gen, dtype=torch.float64)
+    exact = TORCH_SDPA(q, k, v, attn_mask=bias)
+    low = [x.to(dtype) for x in (q, k, v, bias)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        got = flashbob.sdpa(*low[:3], attn_mask=low[3])
+    want = TORCH_SDPA(*low[:3], attn_mask=low[3])
+    assert got.dtype == dtype
+    assert (got.double() - exact).abs().max() <= 1.05 * (want.double() - exact).abs().max()
 
 
 def test_fully_masked_rows_are_zero_with_zero_gradients(gen):
