@@ -9,10 +9,14 @@ each, against ``O(N·d)`` memory for their outputs. Inside :func:`keeping` the F
 repeated run take them from the store instead of launching the kernels.
 
 As with any activation checkpointing the repeated run must compute the same function from the same inputs (so
-that the kept outputs are the ones it would compute); what can be checked is:
+that the kept outputs are the ones it would compute). What can be checked is, and the caller
+(``optim.checkpoint``) repeats the run without reuse where a check fails:
 
 - each call must match its counterpart of the first run (same pass, backend, shapes, dtypes, devices, strides,
-  flags and scale, same tangents present); a repeated run that calls attention differently raises an error;
+  flags and scale, same tangents present), or :class:`Diverged` is raised (a repeated run may legitimately call
+  attention differently: a module may switch its attention implementation between the runs);
+- the repeated run must take every kept forward, and every kept tangent or none (:meth:`KeptOutputs.complete`):
+  one that made fewer calls may have given a skipped call's outputs to a later call of the same signature;
 - a kept output that was modified in place since it was kept (its version changed) makes the whole repeated
   run compute afresh.
 """
@@ -53,6 +57,15 @@ class KeptOutputs:
     positions: dict[str, int] = field(default_factory=dict)
     reusing: bool = False
 
+    def complete(self) -> bool:
+        """Whether the repeated run took every kept forward, and every kept tangent or none (a backward after the
+        forward-mode level ended takes none)."""
+        def taken(name: str) -> tuple[int, int]:
+            return self.positions.get(name, 0), len(self.calls.get(name, []))
+
+        (forwards, kept_forwards), (tangents, kept_tangents) = taken("forward"), taken("forward_jvp")
+        return forwards == kept_forwards and tangents in (0, kept_tangents)
+
     def intact(self) -> bool:
         """Whether no kept output was modified in place since it was kept."""
         return all(t is None or t._version == version for entries in self.calls.values()
@@ -63,19 +76,21 @@ class KeptOutputs:
         self.calls.setdefault(name, []).append((signature, kept, [t is not None and t._version for t in kept]))
 
     def take(self, name: str, signature: tuple) -> Outputs:
-        """The next kept outputs of pass ``name``; raises if the call differs from the first run's."""
+        """The next kept outputs of pass ``name``; raises :class:`Diverged` if the call differs from the first
+        run's."""
         position = self.positions.get(name, 0)
         entries = self.calls.get(name, [])
         if position >= len(entries) or entries[position][0] != signature:
             first = f"call {position + 1} of the first run's {len(entries)} was {_describe(entries[position][0])}" \
                 if position < len(entries) else f"the first run made {len(entries)} such calls"
-            raise RuntimeError(
-                f"flashbob: a repeated run (activation checkpointing) called attention's {name} differently from "
-                f"the first run: {_describe(signature)}, where {first}. The block must compute the same function "
-                "each time it runs; to recompute attention instead of reusing its outputs, pass "
-                "save_attention=False to optim.checkpoint")
+            raise Diverged(f"called attention's {name} differently from the first run: "
+                           f"{_describe(signature)}, where {first}")
         self.positions[name] = position + 1
         return _aliases(entries[position][1])  # fresh ones per run, each run's graph sets their history
+
+
+class Diverged(RuntimeError):
+    """A repeated run called attention differently from the first run."""
 
 
 _ACTIVE: ContextVar[KeptOutputs | None] = ContextVar("flashbob_kept_outputs", default=None)

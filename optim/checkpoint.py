@@ -6,8 +6,12 @@ is what ``torch.utils.checkpoint`` does for reverse mode; this one also serves f
 (``optim.hvp(..., mode="forward")``, forward-mode Gauss-Newton products, ``torch.autograd.forward_ad``):
 
 - forward: with tangents ``ẋ`` (of the inputs) and ``ṗ`` (of the parameters) present, ``y`` and
-  ``ẏ = J_x ẋ + J_p ṗ`` are computed in one forward-mode pass without recording a graph, so neither the
-  block's activations ``A`` nor their tangents ``Ȧ`` are kept; the output is ``y`` with tangent ``ẏ``;
+  ``ẏ = J_x ẋ + J_p ṗ`` are computed in one forward-mode pass whose graph is dropped at the block's end, so
+  neither the block's activations ``A`` nor their tangents ``Ȧ`` are kept; the output is ``y`` with tangent
+  ``ẏ``. This first run happens under the conditions of the recomputation (grad enabled, the same tensors
+  requiring grad), so that a module that branches on them (a nested ``checkpoint`` taken only with grad
+  enabled, a mask that takes another path when it requires grad, a layer's no-grad fast path) runs the same
+  operations both times;
 - backward, given the cotangent ``ȳ`` (and, in forward-over-reverse, its tangent ``ȳ̇``): the block runs
   again from ``(x + εẋ, p + εṗ)`` with a graph, and ``vjp`` of it gives ``x̄, p̄`` and their tangents
   ``x̄̇ = ∂_x(J^T ȳ)·ẋ + ∂_p(J^T ȳ)·ṗ + J^T ȳ̇``, the forward-over-reverse terms of this block. Under
@@ -21,9 +25,12 @@ activations and tangents exist only while that block is recomputed. The cost is 
 block (with tangents in forward mode), less attention's: the outputs of the block's ``flashbob`` attention calls
 (``O``, its row statistics and, in forward mode, their tangents: ``O(N·d)`` memory each) are kept from the first
 run and reused (``save_attention=True``, the default; :mod:`flashbob.kept`), so the recomputation runs no
-``O(N²·d)`` attention forward (it still runs the attention backward it needs). The random-number state (dropout), the autocast state and the buffers
-(e.g. batch-norm statistics) of the first run are restored for each recomputation, so every run computes the
-same function and the module's state is updated once.
+``O(N²·d)`` attention forward (it still runs the attention backward it needs); a recomputation that calls
+attention differently from the first run (its mode or attention implementation switched in between) runs once
+more without them, with a warning. The kept outputs are freed by the backward (unless it retains the graph).
+The random-number state (dropout), the autocast state and the buffers (e.g. batch-norm statistics) of the first
+run are restored for each recomputation, so every run computes the same function and the module's state is
+updated once. Under ``torch.no_grad`` it is ``module(*inputs)``: there is no backward to recompute for.
 
 Refused with an error rather than computed wrong: a module that modifies one of its inputs in place (the
 recomputation would start from the modified value), one that uses a tensor requiring grad that is neither an
@@ -35,6 +42,7 @@ a recomputation follows the module's training mode at the time of the backward, 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -62,7 +70,7 @@ class _Run:
     buffers: dict[str, Tensor] = field(default_factory=dict)  # the first run's buffers it changed, as they were
     tangents: list[Tensor | None] | None = None  # of the inputs and parameters, in forward mode
     level: Tensor | None = None  # a dual tensor of the forward-mode level of the first run: alive while it is
-    output: Tensor | None = None  # the first run's output, where it was computed before the Function
+    output: Tensor | None = None  # the first run's output, until the Function takes it
     attention: kept.KeptOutputs | None = None  # the first run's attention outputs, if kept for the recomputations
 
     def __call__(self, tensors: list[Tensor], buffers: dict[str, Tensor] | None = None) -> Tensor:
@@ -72,33 +80,55 @@ class _Run:
             raise TypeError(f"checkpoint: the module must return one tensor, got {type(output).__name__}")
         return output
 
-    def first(self, tensors: list[Tensor]) -> Tensor:
-        """The first run, in the caller's random-number and autocast state; keeps the buffers it changes."""
+    def first(self, primals: list[Tensor]) -> tuple[Tensor, Tensor | None]:
+        """The first run, in the caller's random-number and autocast state, under the conditions of the
+        recomputations (grad enabled, the same tensors requiring grad, the same tangents), so that a module that
+        branches on them calls the same operations (and attention) in both; keeps the buffers it changes and the
+        attention outputs. Returns the output and its tangent, detached (the graph recorded is dropped)."""
+        tensors = [t.detach().requires_grad_() if t.requires_grad else t.detach() for t in primals]
+        # the inputs that require grad as non-leaf copies: a module that changes one in place is refused below,
+        # not by autograd's error about leaves
+        tensors[: self.n_inputs] = [t.clone() if t.requires_grad else t for t in tensors[: self.n_inputs]]
         versions = [t._version for t in tensors]
+        if self.tangents is not None:
+            tensors = [t if d is None else fwAD.make_dual(t, d) for t, d in zip(tensors, self.tangents)]
         buffers = dict(self.module.named_buffers())
         before = {name: b.clone() for name, b in buffers.items()}
-        with kept.keeping(self.attention):
-            output = self(tensors)
+        with torch.enable_grad(), kept.keeping(self.attention):
+            output = fwAD.unpack_dual(self(tensors))
         for i, (t, version) in enumerate(zip(tensors, versions)):
-            if t._version != version:
+            if fwAD.unpack_dual(t).primal._version != version:
                 what = f"inputs[{i}]" if i < self.n_inputs else f"parameter {self.names[i - self.n_inputs]!r}"
                 raise RuntimeError(f"checkpoint: the module modified {what} in place; the recomputation in the "
                                    "backward would start from the modified value (use out-of-place operations, "
                                    "e.g. inplace=False)")
         # by value: batch norm updates its running statistics inside the kernel, without a new version
         self.buffers = {name: copy for name, copy in before.items() if not torch.equal(buffers[name], copy)}
-        return output
+        return output.primal.detach(), None if output.tangent is None else output.tangent.detach()
 
     def again(self, tensors: list[Tensor]) -> Tensor:
         """A run that repeats the first: its random numbers, autocast and buffers; the caller's generators and the
-        module's buffers are left as found."""
-        with torch.random.fork_rng(devices=self.devices, device_type=self.device_type), \
-                torch.autocast(self.device_type, dtype=self.autocast[1], enabled=self.autocast[0]):
-            torch.set_rng_state(self.cpu_rng)
-            if self.devices:
-                set_device_states(self.devices, self.device_rng, device_type=self.device_type)
-            with kept.reusing(self.attention):
-                return self(tensors, {name: b.clone() for name, b in self.buffers.items()})
+        module's buffers are left as found. It reuses the kept attention outputs; where it called attention
+        differently from the first run (:mod:`flashbob.kept`), it runs once more without them."""
+        for store in (self.attention, None) if self.attention is not None else (None,):
+            with torch.random.fork_rng(devices=self.devices, device_type=self.device_type), \
+                    torch.autocast(self.device_type, dtype=self.autocast[1], enabled=self.autocast[0]):
+                torch.set_rng_state(self.cpu_rng)
+                if self.devices:
+                    set_device_states(self.devices, self.device_rng, device_type=self.device_type)
+                try:
+                    with kept.reusing(store):
+                        output = self(tensors, {name: b.clone() for name, b in self.buffers.items()})
+                    if store is None or not store.reusing or store.complete():
+                        return output
+                    reason = "took fewer of the first run's attention outputs than it kept"
+                except kept.Diverged as error:
+                    reason = str(error)
+            warnings.warn(f"checkpoint: the recomputation of a block {reason}; it runs again without them (one more "
+                          "forward of the block). A module whose attention differs between the forward and the "
+                          "backward (its mode or implementation switched) does this; save_attention=False avoids "
+                          "the extra run", RuntimeWarning, stacklevel=2)
+        raise AssertionError("unreachable: the run without kept outputs returns")
 
     def in_forward_mode(self) -> bool:
         """Whether the backward runs inside the forward-mode level of the first run (not after it ended)."""
@@ -139,14 +169,15 @@ class _NoReverseThroughTangent(torch.autograd.Function):
 
 
 class _Recomputed(torch.autograd.Function):
-    """The block's output, with a backward that runs the block again (see the module's docstring)."""
+    """The block's output (computed by the first run), with a backward that runs the block again (see the
+    module's docstring)."""
 
     @staticmethod
     def forward(ctx, run: _Run, *tensors: Tensor) -> Tensor:
         ctx.run = run
         ctx.save_for_backward(*tensors)
         output, run.output = run.output, None
-        return run.first(list(tensors)) if output is None else output
+        return output
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -167,6 +198,10 @@ class _Recomputed(torch.autograd.Function):
                 return (None,) * (1 + len(needs))
             _refuse_captured(output, wrt)
             grads = iter(torch.autograd.grad(output, wrt, grad, allow_unused=True, create_graph=create))
+        if not torch._C._autograd._get_current_graph_task_keep_graph():
+            # this backward frees the graph's saved tensors: the kept attention outputs and the tangents go with
+            # them, not when the last reference to the graph does (as torch.utils.checkpoint frees its own)
+            run.attention = run.tangents = run.level = None
         return (None, *(next(grads) if need else None for need in needs))
 
 
@@ -183,6 +218,8 @@ def checkpoint(module: nn.Module, *inputs: Tensor, save_attention: bool = True) 
         if not isinstance(x, Tensor):
             raise TypeError(f"checkpoint: inputs[{i}] must be a tensor, got {type(x).__name__}; close over "
                             "other arguments in the module (a tensor that requires grad must be an input)")
+    if not torch.is_grad_enabled():  # no graph, no backward: nothing to keep or recompute
+        return module(*inputs)
     named = list(module.named_parameters())
     tensors = [*inputs, *(p for _, p in named)]
     device_type = inputs[0].device.type
@@ -191,18 +228,15 @@ def checkpoint(module: nn.Module, *inputs: Tensor, save_attention: bool = True) 
                (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)),
                devices=devices, device_rng=device_rng, attention=kept.KeptOutputs() if save_attention else None)
     unpacked = [fwAD.unpack_dual(t) for t in tensors]
-    tangents = [u.tangent for u in unpacked]
-    if all(d is None for d in tangents):
-        return _Recomputed.apply(run, *tensors)
-    with torch.no_grad():  # y and its tangent, nothing recorded
-        dual_output = fwAD.unpack_dual(run.first(tensors))
-    run.tangents, run.output = tangents, dual_output.primal
-    run.level = fwAD.make_dual(torch.zeros(()), torch.zeros(()))
-    output = _Recomputed.apply(run, *(u.primal for u in unpacked))
-    if dual_output.tangent is None:
+    primals, tangents = [u.primal for u in unpacked], [u.tangent for u in unpacked]
+    if any(d is not None for d in tangents):
+        run.tangents = tangents
+        run.level = fwAD.make_dual(torch.zeros(()), torch.zeros(()))
+    run.output, tangent = run.first(primals)
+    output = _Recomputed.apply(run, *primals)
+    if tangent is None:
         return output
-    tangent = dual_output.tangent
-    differentiable = [t for t in (*(u.primal for u in unpacked), *tangents) if t is not None and t.requires_grad]
-    if torch.is_grad_enabled() and differentiable:
+    differentiable = [t for t in (*primals, *tangents) if t is not None and t.requires_grad]
+    if differentiable:
         tangent = _NoReverseThroughTangent.apply(tangent, *differentiable)
     return fwAD.make_dual(output, tangent)

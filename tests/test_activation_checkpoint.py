@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import importlib
+import warnings
+import weakref
 
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
 from torch import nn
 
 import flashbob
 import optim
-from flashbob import blocked
+from flashbob import blocked, kept
 from optim.curvature import CrossEntropyHessian, GGNOperator, active_dropout
 from recipes.lm.model import GPT, cross_entropy
 from tests.helpers import BACKENDS, exact_tolerance, on_backend
@@ -336,22 +340,129 @@ def test_a_backward_twice_reuses_the_outputs_twice(attention_calls) -> None:
     assert attention_calls["forward"] == 2  # the first run and the plain one
 
 
-class Alternating(Attend):
-    """Causal on odd calls, not on even ones: the recomputation computes another function than the first run."""
+def test_a_recomputation_that_calls_attention_differently_runs_again_without_the_kept_outputs() -> None:
+    """A block whose attention changed between the forward and the backward (here its causal flag; in practice its
+    mode or attention implementation) gets, with a warning, what save_attention=False gives: a recomputation without
+    the kept outputs."""
+    x = torch.randn(1, 2, 5, 12, dtype=torch.float64, requires_grad=True)
+    grads = []
+    for save_attention in (False, True):
+        block = Attend(causal=True)
+        y = optim.checkpoint(block, x, save_attention=save_attention).sum()
+        block.causal = False
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            grads.append(torch.autograd.grad(y, [x])[0])
+        assert [str(w.message)[:70] for w in caught] == ([] if not save_attention else [
+            "checkpoint: the recomputation of a block called attention's forward di"])
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
 
-    calls = 0
+
+class TwoAttentions(nn.Module):
+    """Two attention calls of one signature; the first through torch's SDPA instead of flashbob once ``switched``."""
+
+    switched = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        self.causal = self.calls % 2 == 1
-        return super().forward(x)
+        q, k, v = x.chunk(3, dim=-1)
+        first = F.scaled_dot_product_attention if self.switched else flashbob.attention
+        o = first(q.contiguous(), k, v)
+        return flashbob.attention(o.sin(), k, v)
 
 
-def test_a_recomputation_that_calls_attention_differently_is_refused() -> None:
+def test_a_recomputation_that_takes_fewer_kept_outputs_runs_again_without_them() -> None:
+    """Once switched, the recomputation's only flashbob call would take the first call's kept O (same signature);
+    the count of kept outputs taken shows it, and the block runs again without them."""
     x = torch.randn(1, 2, 5, 12, dtype=torch.float64, requires_grad=True)
-    y = optim.checkpoint(Alternating(), x).sum()
-    with pytest.raises(RuntimeError, match="called attention's forward differently from the first run"):
-        torch.autograd.grad(y, [x])
+    want = torch.autograd.grad(TwoAttentions()(x).sum(), [x])[0]
+    block = TwoAttentions()
+    y = optim.checkpoint(block, x).sum()
+    block.switched = True
+    with pytest.warns(RuntimeWarning, match="took fewer of the first run's attention outputs than it kept"):
+        got = torch.autograd.grad(y, [x])[0]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.proj = nn.Linear(width, 3 * width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.proj(x).chunk(3, dim=-1)
+        return x + flashbob.attention(q, k, v, causal=True, backend="blocked")
+
+
+class CheckpointsWithGradOnly(nn.Module):
+    """Checkpoints its first block only when grad is enabled (the recipe GPT's pattern), then runs a second."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.own = SelfAttention(), SelfAttention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.own(optim.checkpoint(self.inner, x) if torch.is_grad_enabled() else self.inner(x))
+
+
+class LearnableKeyBias(nn.Module):
+    """flashbob.sdpa with a float mask made from a parameter (it takes the exact fallback when the mask requires
+    grad, the kernels when not), then with a plain key-padding mask."""
+
+    def __init__(self, width: int = 8, keys: int = 7):
+        super().__init__()
+        self.first, self.second = nn.Linear(width, 3 * width), nn.Linear(width, 3 * width)
+        self.bias = nn.Parameter(torch.zeros(keys))
+        self.register_buffer("padding", torch.arange(keys) >= keys - 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.first(x).chunk(3, dim=-1)
+        bias = torch.where(self.padding, float("-inf"), self.bias)
+        x = x + flashbob.sdpa(q, k, v, attn_mask=bias[None, None, None, :], backend="blocked")
+        q, k, v = self.second(x).chunk(3, dim=-1)
+        return x + flashbob.sdpa(q, k, v, attn_mask=~self.padding, backend="blocked")
+
+
+@pytest.mark.parametrize("make", [CheckpointsWithGradOnly, LearnableKeyBias])
+def test_blocks_that_branch_on_grad_mode_or_requires_grad(make) -> None:
+    """The first run used to run without grad and the recomputation with it: a block that branches on that made
+    different attention calls, and a later call took an earlier call's kept O (gradient off by 40 and 20 in the
+    two blocks here, HVPs by 2e3). The first run now runs under the recomputation's conditions."""
+    torch.manual_seed(0)
+    block = make().double()
+    x = torch.randn(2, 2, 7, 8, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", flashbob.FallbackWarning)
+        warnings.simplefilter("error", RuntimeWarning)  # no second recomputation either
+        assert_same_products(block, lambda: block(x).square().sum(),
+                             lambda: optim.checkpoint(block, x).square().sum())
+
+
+def test_an_encoder_layer_in_eval_mode_under_patch_sdpa() -> None:
+    """In eval mode nn.TransformerEncoderLayer takes torch's fused fast path when no grad is needed: the first
+    run, then without grad, kept nothing and the recomputation (through flashbob.sdpa) raised."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True).double().eval()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    with flashbob.patch_sdpa(backend="blocked"):
+        assert_same_products(layer, lambda: layer(x).square().sum(), lambda: optim.checkpoint(layer, x).square().sum())
+
+
+def test_the_backward_frees_the_kept_outputs(monkeypatch) -> None:
+    """They hung on the graph's node: alive as long as the loss was (the next step's forward, a logged history)."""
+    stores = []
+    keep = kept.KeptOutputs.keep
+    monkeypatch.setattr(kept.KeptOutputs, "keep",
+                        lambda self, *args: (stores.append(weakref.ref(self)), keep(self, *args))[1])
+    torch.manual_seed(0)
+    model = GPT(vocab_size=VOCAB, d_model=16, n_layers=2, n_heads=2, attention="blocked",
+                checkpoint_activations=True).double()
+    tokens = torch.randint(0, VOCAB, (2, 9))
+    for retain in (True, False):
+        stores.clear()
+        loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward(retain_graph=retain)
+        gc.collect()
+        assert len(stores) >= 2 and all((ref() is None) != retain for ref in stores)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
