@@ -8,10 +8,10 @@ is what ``torch.utils.checkpoint`` does for reverse mode; this one also serves f
 - forward: with tangents ``ẋ`` (of the inputs) and ``ṗ`` (of the parameters) present, ``y`` and
   ``ẏ = J_x ẋ + J_p ṗ`` are computed in one forward-mode pass whose graph is dropped at the block's end, so
   neither the block's activations ``A`` nor their tangents ``Ȧ`` are kept; the output is ``y`` with tangent
-  ``ẏ``. This first run happens under the conditions of the recomputation (grad enabled, the same tensors
-  requiring grad), so that a module that branches on them (a nested ``checkpoint`` taken only with grad
-  enabled, a mask that takes another path when it requires grad, a layer's no-grad fast path) runs the same
-  operations both times;
+  ``ẏ``. This first run happens under the conditions of the recomputation (grad enabled and, in reverse
+  mode, the same tensors requiring grad), so that a module that branches on them (a nested ``checkpoint``
+  taken only with grad enabled, a mask that takes another path when it requires grad, a layer's no-grad fast
+  path) runs the same operations both times;
 - backward, given the cotangent ``ȳ`` (and, in forward-over-reverse, its tangent ``ȳ̇``): the block runs
   again from ``(x + εẋ, p + εṗ)`` with a graph, and ``vjp`` of it gives ``x̄, p̄`` and their tangents
   ``x̄̇ = ∂_x(J^T ȳ)·ẋ + ∂_p(J^T ȳ)·ṗ + J^T ȳ̇``, the forward-over-reverse terms of this block. Under
@@ -82,10 +82,13 @@ class _Run:
 
     def first(self, primals: list[Tensor]) -> tuple[Tensor, Tensor | None]:
         """The first run, in the caller's random-number and autocast state, under the conditions of the
-        recomputations (grad enabled, the same tensors requiring grad, the same tangents), so that a module that
-        branches on them calls the same operations (and attention) in both; keeps the buffers it changes and the
-        attention outputs. Returns the output and its tangent, detached (the graph recorded is dropped)."""
-        tensors = [t.detach().requires_grad_() if t.requires_grad else t.detach() for t in primals]
+        recomputations (grad enabled, the same tangents and, in reverse mode, the same tensors requiring grad), so
+        that a module that branches on them calls the same operations (and attention) in both; keeps the buffers
+        it changes and the attention outputs. Returns the output and its tangent, detached (the graph recorded is
+        dropped). In forward mode no tensor requires grad: a graph recorded with tangents would hold itself (saved
+        outputs keep their tangents, whose graph leads back) until a backward this run never gets."""
+        record = self.tangents is None
+        tensors = [t.detach().requires_grad_() if t.requires_grad and record else t.detach() for t in primals]
         # the inputs that require grad as non-leaf copies: a module that changes one in place is refused below,
         # not by autograd's error about leaves
         tensors[: self.n_inputs] = [t.clone() if t.requires_grad else t for t in tensors[: self.n_inputs]]
