@@ -30,7 +30,8 @@ attention differently from the first run (its mode or attention implementation s
 more without them, with a warning. The kept outputs are freed by the backward (unless it retains the graph).
 The random-number state (dropout), the autocast state and the buffers (e.g. batch-norm statistics) of the first
 run are restored for each recomputation, so every run computes the same function and the module's state is
-updated once. Under ``torch.no_grad`` it is ``module(*inputs)``: there is no backward to recompute for.
+updated once. Under ``torch.no_grad`` it is ``module(*inputs)``: there is no backward to recompute for; under
+``torch.func`` transforms too, with a warning (its Function has no functorch rules).
 
 Refused with an error rather than computed wrong: a module that modifies one of its inputs in place (the
 recomputation would start from the modified value), one that uses a tensor requiring grad that is neither an
@@ -42,7 +43,10 @@ a recomputation follows the module's training mode at the time of the backward, 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
@@ -72,6 +76,7 @@ class _Run:
     level: Tensor | None = None  # a dual tensor of the forward-mode level of the first run: alive while it is
     output: Tensor | None = None  # the first run's output, until the Function takes it
     attention: kept.KeptOutputs | None = None  # the first run's attention outputs, if kept for the recomputations
+    context: Callable[[], AbstractContextManager] = contextlib.nullcontext  # what each recomputation runs in
 
     def __call__(self, tensors: list[Tensor], buffers: dict[str, Tensor] | None = None) -> Tensor:
         params = dict(zip(self.names, tensors[self.n_inputs:]))
@@ -115,7 +120,8 @@ class _Run:
         differently from the first run (:mod:`flashbob.kept`), it runs once more without them."""
         for store in (self.attention, None) if self.attention is not None else (None,):
             with torch.random.fork_rng(devices=self.devices, device_type=self.device_type), \
-                    torch.autocast(self.device_type, dtype=self.autocast[1], enabled=self.autocast[0]):
+                    torch.autocast(self.device_type, dtype=self.autocast[1], enabled=self.autocast[0]), \
+                    self.context():
                 torch.set_rng_state(self.cpu_rng)
                 if self.devices:
                     set_device_states(self.devices, self.device_rng, device_type=self.device_type)
@@ -208,13 +214,18 @@ class _Recomputed(torch.autograd.Function):
         return (None, *(next(grads) if need else None for need in needs))
 
 
-def checkpoint(module: nn.Module, *inputs: Tensor, save_attention: bool = True) -> Tensor:
+def checkpoint(module: nn.Module, *inputs: Tensor, save_attention: bool = True,
+               context: Callable[[], AbstractContextManager] | None = None) -> Tensor:
     """``module(*inputs)`` (one tensor out), keeping only ``inputs`` for the backward, which runs ``module``
     again; differentiable in reverse mode (also twice) and in forward-over-reverse (module docstring).
 
     With ``save_attention`` (the default) the outputs of the module's ``flashbob`` attention calls (``O`` and its
     row statistics, and in forward mode their tangents) are kept too and reused by the recomputation, which
-    then skips attention's forward kernels: ``O(N·d)`` more memory per call for ``O(N²·d)`` less work."""
+    then skips attention's forward kernels: ``O(N·d)`` more memory per call for ``O(N²·d)`` less work.
+
+    ``context``, if given, makes the context manager each recomputation runs in: a state that the first run ran
+    in and the backward does not (e.g. the recipes' ``AttentionSwitch.for_curvature``), so that the recomputation
+    computes what the first run did (as ``torch.utils.checkpoint``'s ``context_fn``)."""
     if not inputs:
         raise TypeError("checkpoint: inputs must hold at least one tensor (the block's input)")
     for i, x in enumerate(inputs):
@@ -223,13 +234,19 @@ def checkpoint(module: nn.Module, *inputs: Tensor, save_attention: bool = True) 
                             "other arguments in the module (a tensor that requires grad must be an input)")
     if not torch.is_grad_enabled():  # no graph, no backward: nothing to keep or recompute
         return module(*inputs)
+    if torch._C._are_functorch_transforms_active():
+        warnings.warn("checkpoint: under torch.func transforms (grad, vjp, jvp, vmap, hessian) the module runs without "
+                      "checkpointing (its activations are kept); use torch.autograd or optim.hvp to checkpoint",
+                      RuntimeWarning, stacklevel=2)
+        return module(*inputs)
     named = list(module.named_parameters())
     tensors = [*inputs, *(p for _, p in named)]
     device_type = inputs[0].device.type
     devices, device_rng = get_device_states(*inputs) if device_type != "cpu" else ([], [])
     run = _Run(module, [name for name, _ in named], len(inputs), device_type,
                (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)),
-               devices=devices, device_rng=device_rng, attention=kept.KeptOutputs() if save_attention else None)
+               devices=devices, device_rng=device_rng, attention=kept.KeptOutputs() if save_attention else None,
+               context=context or contextlib.nullcontext)
     unpacked = [fwAD.unpack_dual(t) for t in tensors]
     primals, tangents = [u.primal for u in unpacked], [u.tangent for u in unpacked]
     if any(d is not None for d in tangents):

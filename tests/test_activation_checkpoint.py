@@ -539,3 +539,34 @@ def test_the_first_run_keeps_no_activations(mode: str) -> None:
     assert alive[True] >= 20 * activation  # the plain forward keeps its activations (the measure sees them)
     # the output, the kept O and its statistics, in forward mode their tangents too (the leak kept 23 activations)
     assert alive[False] < (3 if mode == "reverse" else 5) * activation, alive
+
+
+def test_the_recomputation_runs_in_the_attention_mode_of_the_first_run() -> None:
+    """With attention="sdpa" the recipe GPT attends through torch's SDPA outside for_curvature and through flashbob
+    inside; the optimizers take the backward outside it. The recomputation ran torch's SDPA, so it took none of the
+    kept flashbob outputs (and a second-order backward on the GPU would differentiate SDPA twice): it now runs in the
+    mode of the first run."""
+    torch.manual_seed(0)
+    model = GPT(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, mlp="gelu", attention="sdpa").double()
+    tokens = torch.randint(0, VOCAB, (2, 17))
+    params = list(model.parameters())
+    vec = [torch.randn_like(p) for p in params]
+    products = []
+    for recompute in (False, True):
+        model.checkpoint_activations = recompute
+        with model.attention.for_curvature():
+            loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            products.append(optim.hvp(loss, params, vec))
+    for a, b in zip(*products, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+
+
+def test_torch_func_transforms_run_the_module_plainly_with_a_warning() -> None:
+    """They raised PyTorch's "must override the setup_context staticmethod" (the Function is not functorch's)."""
+    block = nn.Sequential(nn.Linear(3, 3), nn.Tanh()).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="under torch.func transforms"):
+        got = torch.func.grad(lambda x: optim.checkpoint(block, x).sum())(x)
+    torch.testing.assert_close(got, torch.func.grad(lambda x: block(x).sum())(x), rtol=0, atol=0)

@@ -11,9 +11,10 @@ test-time training gives every sequence its own fast weights in one batched forw
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Callable
 
 import torch
@@ -83,6 +84,11 @@ class AttentionSwitch:
         tangents = any(fwAD.unpack_dual(t).tangent is not None for t in (q, k, v))
         attend = self.twice if self._curvature or tangents else self.first_order
         return attend(q, k, v, causal=causal)
+
+    def current(self) -> Callable[[], AbstractContextManager]:
+        """A factory of context managers that re-enter the present mode: for a recomputation that runs outside the
+        :meth:`for_curvature` block its first run ran in (``optim.checkpoint(..., context=switch.current())``)."""
+        return functools.partial(self.for_curvature, self._curvature)
 
     @contextmanager
     def for_curvature(self, on: bool = True) -> Iterator[None]:

@@ -140,7 +140,7 @@ class GPT(nn.Module):
         x = self.embed(tokens)
         for block in self.blocks:
             if self.checkpoint_activations and torch.is_grad_enabled():
-                x = optim.checkpoint(block, x)
+                x = optim.checkpoint(block, x, context=self.attention.current())
             else:
                 x = block(x)
         return self.head(self.norm(x))
