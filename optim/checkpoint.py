@@ -115,29 +115,35 @@ class _Run:
         return output.primal.detach(), None if output.tangent is None else output.tangent.detach()
 
     def again(self, tensors: list[Tensor]) -> Tensor:
-        """A run that repeats the first: its random numbers, autocast and buffers; the caller's generators and the
-        module's buffers are left as found. It reuses the kept attention outputs; where it called attention
-        differently from the first run (:mod:`flashbob.kept`), it runs once more without them."""
-        for store in (self.attention, None) if self.attention is not None else (None,):
-            with torch.random.fork_rng(devices=self.devices, device_type=self.device_type), \
-                    torch.autocast(self.device_type, dtype=self.autocast[1], enabled=self.autocast[0]), \
-                    self.context():
-                torch.set_rng_state(self.cpu_rng)
-                if self.devices:
-                    set_device_states(self.devices, self.device_rng, device_type=self.device_type)
-                try:
-                    with kept.reusing(store):
-                        output = self(tensors, {name: b.clone() for name, b in self.buffers.items()})
-                    if store is None or not store.reusing or store.complete():
-                        return output
-                    reason = "took fewer of the first run's attention outputs than it kept"
-                except kept.Diverged as error:
-                    reason = str(error)
-            warnings.warn(f"checkpoint: the recomputation of a block {reason}; it runs again without them (one more "
-                          "forward of the block). A module whose attention differs between the forward and the "
-                          "backward (its mode or implementation switched) does this; save_attention=False avoids "
-                          "the extra run", RuntimeWarning, stacklevel=2)
-        raise AssertionError("unreachable: the run without kept outputs returns")
+        """A run that repeats the first (:meth:`_repeat`), reusing the kept attention outputs; where it called
+        attention differently from the first run (:mod:`flashbob.kept`), it runs once more without them."""
+        store = self.attention
+        if store is None:
+            return self._repeat(tensors, None)
+        try:
+            output = self._repeat(tensors, store)
+            if not store.reusing or store.complete():
+                return output
+            reason = "took fewer of the first run's attention outputs than it kept"
+        except kept.Diverged as error:
+            reason = str(error)
+        warnings.warn(f"checkpoint: the recomputation of a block {reason}; it runs again without them (one more "
+                      "forward of the block). A module whose attention differs between the forward and the "
+                      "backward (its mode or implementation switched) does this; save_attention=False avoids "
+                      "the extra run", RuntimeWarning, stacklevel=2)
+        return self._repeat(tensors, None)
+
+    def _repeat(self, tensors: list[Tensor], store: kept.KeptOutputs | None) -> Tensor:
+        """The block on ``tensors`` with the first run's random numbers, autocast, buffers and ``context``, taking
+        attention outputs from ``store`` (None: computing them); the caller's generators and the module's buffers
+        are left as found."""
+        with torch.random.fork_rng(devices=self.devices, device_type=self.device_type), \
+                torch.autocast(self.device_type, dtype=self.autocast[1], enabled=self.autocast[0]), \
+                self.context(), kept.reusing(store):
+            torch.set_rng_state(self.cpu_rng)
+            if self.devices:
+                set_device_states(self.devices, self.device_rng, device_type=self.device_type)
+            return self(tensors, {name: b.clone() for name, b in self.buffers.items()})
 
     def in_forward_mode(self) -> bool:
         """Whether the backward runs inside the forward-mode level of the first run (not after it ended)."""
