@@ -4,6 +4,10 @@ rebuilt when unreadable), the config checks and a few training steps on BPE toke
 
 from __future__ import annotations
 
+import hashlib
+import json
+import warnings
+
 import numpy as np
 import pytest
 from omegaconf import OmegaConf
@@ -43,7 +47,10 @@ def test_bpe_cache_is_reused_and_another_corpus_trains_anew(corpus, tmp_path, mo
     first, tokenizer = bpe.tokenized(corpus, VOCAB, tmp_path)
     written = cache_files(tmp_path)
     stem = f"bpe_{VOCAB}_{bpe.corpus_digest(corpus)}"
-    assert sorted(written) == [f"{stem}.json", f"{stem}.train.npy", f"{stem}.val.npy"]
+    assert sorted(written) == [f"{stem}.json", f"{stem}.sha256", f"{stem}.train.npy", f"{stem}.val.npy"]
+    listed = [f"{hashlib.sha256((tmp_path / name).read_bytes()).hexdigest()}  {name}"  # as sha256sum writes it
+              for name in (f"{stem}.json", f"{stem}.train.npy", f"{stem}.val.npy")]
+    assert (tmp_path / f"{stem}.sha256").read_text().splitlines() == listed
     trained = []
     monkeypatch.setattr(bpe.BPE, "train", classmethod(lambda cls, *args: trained.append(args) or pytest.fail()))
     monkeypatch.setattr(bpe.BPE, "encode_stream", lambda self, stream: pytest.fail("encoded again"))
@@ -54,7 +61,13 @@ def test_bpe_cache_is_reused_and_another_corpus_trains_anew(corpus, tmp_path, mo
     monkeypatch.undo()
     other = data.Corpus(train=corpus.train[:-1000], val=corpus.val)
     bpe.tokenized(other, VOCAB, tmp_path)
-    assert len(cache_files(tmp_path)) == 6, "another corpus, another digest"
+    assert len(cache_files(tmp_path)) == 8, "another corpus, another digest"
+    (tmp_path / f"{stem}.sha256").unlink()
+    with pytest.warns(RuntimeWarning, match=f"cache file {tmp_path / stem}.json has no SHA-256 in "
+                                            f"{tmp_path / stem}.sha256; training the tokenizer again"):
+        rebuilt, _ = bpe.tokenized(corpus, VOCAB, tmp_path)
+    assert np.array_equal(rebuilt.train, first.train)
+    assert (tmp_path / f"{stem}.sha256").read_text().splitlines() == listed
 
 
 def test_unreadable_cache_files_are_rebuilt_with_a_warning(corpus, tmp_path):
@@ -74,6 +87,78 @@ def test_unreadable_cache_files_are_rebuilt_with_a_warning(corpus, tmp_path):
     with pytest.warns(RuntimeWarning, match="holds id 65535, outside the tokenizer's"):
         bpe.tokenized(corpus, VOCAB, tmp_path)
     assert not list(tmp_path.glob(".*.tmp*")), "no temporary file is left behind"
+
+
+def zero_a_block(stem):
+    """Zero 4 KiB of the training ids (ids 0: in the vocabulary)."""
+    ids = stem.with_suffix(".train.npy")
+    content = bytearray(ids.read_bytes())
+    assert any(content[8192:12288])
+    content[8192:12288] = bytes(4096)
+    ids.write_bytes(content)
+    return [ids]
+
+
+def flip_a_bit(stem):
+    """Flip the lowest bit of one training id (an id below the even vocabulary size stays below it)."""
+    ids = stem.with_suffix(".train.npy")
+    content = bytearray(ids.read_bytes())
+    content[len(content) // 2 & ~1] ^= 1  # little-endian uint16: the even byte holds the low bits
+    ids.write_bytes(content)
+    return [ids]
+
+
+def keep_half_the_ids(stem):
+    """Write a valid ids file holding the first half of the training ids."""
+    ids = stem.with_suffix(".train.npy")
+    np.save(ids, np.load(ids)[: len(np.load(ids)) // 2])
+    return [ids]
+
+
+def swap_train_and_val(stem):
+    train, val = stem.with_suffix(".train.npy"), stem.with_suffix(".val.npy")
+    content = train.read_bytes()
+    train.write_bytes(val.read_bytes())
+    val.write_bytes(content)
+    return [train, val]
+
+
+def edit_the_tokenizer(stem):
+    """Drop the tokenizer's first merge: still a valid tokenizer, which encodes the corpus otherwise."""
+    tokenizer = stem.with_suffix(".json")
+    content = json.loads(tokenizer.read_text())
+    del content["model"]["merges"][0]
+    tokenizer.write_text(json.dumps(content))
+    return [tokenizer]
+
+
+@pytest.mark.parametrize("damage", [zero_a_block, flip_a_bit, keep_half_the_ids, swap_train_and_val,
+                                    edit_the_tokenizer])
+def test_damaged_or_swapped_cache_files_are_rebuilt_with_a_warning_naming_them(corpus, tmp_path, damage):
+    """Files that still load but are not what was written: each is rebuilt, named in a warning, and the ids are
+    those of a fresh cache; the record lists the rebuilt files, so the next run loads them without a word."""
+    tokens = bpe.tokenized(corpus, VOCAB, tmp_path)[0]
+    tokens = data.Corpus(train=np.array(tokens.train), val=np.array(tokens.val))  # copies: the files change below
+    stem = tmp_path / f"bpe_{VOCAB}_{bpe.corpus_digest(corpus)}"
+    damaged = damage(stem)
+    with pytest.warns(RuntimeWarning) as caught:
+        rebuilt, _ = bpe.tokenized(corpus, VOCAB, tmp_path)
+    messages = [str(warning.message) for warning in caught]
+    assert messages == [f"cache file {path} does not match its SHA-256 in {stem}.sha256; "
+                        + ("training the tokenizer again" if path.suffix == ".json" else "encoding the corpus again")
+                        for path in damaged]
+    assert np.array_equal(rebuilt.train, tokens.train) and np.array_equal(rebuilt.val, tokens.val)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bpe.tokenized(corpus, VOCAB, tmp_path)
+
+
+def test_a_folder_where_a_cache_file_belongs_is_named(corpus, tmp_path):
+    stem = tmp_path / f"bpe_{VOCAB}_{bpe.corpus_digest(corpus)}"
+    stem.with_suffix(".train.npy").mkdir()
+    with pytest.raises(ConfigError, match=f"^{stem}.train.npy is a folder, where the BPE cache keeps a file; move it "
+                                          "away or choose another data.cache_dir$"):
+        bpe.tokenized(corpus, VOCAB, tmp_path)
 
 
 def test_a_failed_write_leaves_neither_the_file_nor_a_temporary(tmp_path):

@@ -11,15 +11,20 @@ The cache, in one folder: ``bpe_<vocab_size>_<digest>.json`` (the tokenizer) and
 ``bpe_<vocab_size>_<digest>.{train,val}.npy`` (the ids, ``uint16``, or ``uint32`` above 65,536
 tokens), where ``digest`` is the SHA-256 of both splits' bytes and of :data:`FORMAT`. So the same
 corpus loads what an earlier run wrote, and another corpus (other files, ``max_bytes`` or
-``val_fraction``) trains anew. Files are written under a temporary name and renamed, so a process never
-reads a partial file, even while another writes the same one; a cache file that cannot be read is
-rebuilt, with a warning naming it.
+``val_fraction``) trains anew. Beside them, ``bpe_<vocab_size>_<digest>.sha256`` records the SHA-256 of
+each of the three files (``sha256sum`` format: check them by hand with ``sha256sum -c``); it is written
+after the files it lists, so the ids listed there are their split's, encoded by the tokenizer listed
+with them. Files are written under a temporary name and renamed, so a process never reads a partial
+file, even while another writes the same one; a cache file that cannot be read, or whose SHA-256 is not
+the recorded one (damaged, edited, another split's ids), is rebuilt, with a warning naming it. A folder
+where a cache file belongs is a :class:`~recipes.common.config.ConfigError` naming it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 import warnings
 from collections.abc import Callable, Sequence
@@ -28,12 +33,15 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from recipes.common.checkpoint import sha256_of
+from recipes.common.config import ConfigError
 from recipes.common.data import SEPARATOR, Corpus
 
 FORMAT = b"flashbob-bpe-2"  # part of the digest: a change to how tokenizers are trained or ids stored retrains
 # (2: the text "<|endoftext|>" inside a document is encoded as text, not as the separator)
 SEPARATOR_TOKEN = "<|endoftext|>"
 MIN_VOCAB_SIZE = 257  # the 256 bytes and the separator
+RECORD_LINE = re.compile(r"([0-9a-f]{64})  (.+)")  # a line of the record: SHA-256, two spaces, file name
 
 
 class BPE:
@@ -129,39 +137,94 @@ def tokenized(corpus: Corpus, vocab_size: int, cache_dir: str | Path) -> tuple[C
 
     Otherwise the tokenizer is trained on the training split and written, and both splits are
     encoded and written (a tokenizer trained now always encodes anew). The ids are memory-mapped.
+
+    Raises:
+        ConfigError: a folder is where a cache file belongs.
     """
     stem = Path(cache_dir) / f"bpe_{vocab_size}_{corpus_digest(corpus)}"
-    tokenizer_path = stem.with_suffix(".json")
-    tokenizer = _cached(tokenizer_path, BPE.load, "training the tokenizer again")
+    tokenizer_path, record_path = stem.with_suffix(".json"), stem.with_suffix(".sha256")
+    ids_paths = {name: stem.with_suffix(f".{name}.npy") for name in ("train", "val")}
+    _refuse_folders([tokenizer_path, record_path, *ids_paths.values()])
+    record = _Record(record_path)
+    tokenizer = record.cached(tokenizer_path, BPE.load, "training the tokenizer again")
     fresh = tokenizer is None
     if fresh:
         tokenizer = BPE.train(split_documents(corpus.train), vocab_size)
         tokenizer.save(tokenizer_path)
-    train, val = (_ids(stem.with_suffix(f".{name}.npy"), tokenizer, getattr(corpus, name), fresh)
-                  for name in ("train", "val"))
+        record.written(tokenizer_path)
+    train, val = (_ids(path, tokenizer, getattr(corpus, name), record, fresh) for name, path in ids_paths.items())
+    record.save()
     return Corpus(train=train, val=val), tokenizer
 
 
-def _ids(path: Path, tokenizer: BPE, stream: np.ndarray, fresh: bool) -> np.ndarray:
+def _ids(path: Path, tokenizer: BPE, stream: np.ndarray, record: _Record, fresh: bool) -> np.ndarray:
     """The ids of ``stream`` cached at ``path`` (unless the tokenizer is ``fresh``), else encoded and written."""
-    ids = None if fresh else _cached(path, lambda p: _load_ids(p, tokenizer), "encoding the corpus again")
+    ids = None if fresh else record.cached(path, lambda p: _load_ids(p, tokenizer), "encoding the corpus again")
     if ids is None:
         encoded = tokenizer.encode_stream(stream)
         _write_atomically(path, lambda temporary: np.save(temporary, encoded))
+        record.written(path)
         ids = _load_ids(path, tokenizer)
     return ids
 
 
-def _cached(path: Path, load: Callable[[Path], object], remedy: str):
-    """``load(path)``; ``None`` if there is no such file, or, with a warning, if it cannot be read."""
-    if not path.is_file():
+def _refuse_folders(paths: Sequence[Path]) -> None:
+    """Raise :class:`ConfigError` naming the first of ``paths`` that is a folder (a cache file can be neither
+    read nor replaced there)."""
+    for path in paths:
+        if path.is_dir():
+            raise ConfigError(f"{path} is a folder, where the BPE cache keeps a file; move it away or choose "
+                              "another data.cache_dir")
+
+
+def file_sha256(path: Path) -> str:
+    """The hex SHA-256 of the file at ``path``."""
+    with open(path, "rb") as file:
+        return sha256_of(file, os.fstat(file.fileno()).st_size)
+
+
+class _Record:
+    """The SHA-256 of each file of one cache entry, by file name, kept in a ``sha256sum``-format file beside them."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.digests = self._read() if path.is_file() else {}
+        self.changed = False
+
+    def _read(self) -> dict[str, str]:
+        """The digests the record file lists (a line that is not ``<64 hex digits>  <name>`` lists none)."""
+        lines = self.path.read_bytes().decode("utf-8", errors="replace").splitlines()
+        return {match[2]: match[1] for match in map(RECORD_LINE.fullmatch, lines) if match}
+
+    def cached(self, path: Path, load: Callable[[Path], object], remedy: str):
+        """``load(path)``; ``None`` if there is no such file, or, with a warning naming it, if it cannot be read
+        or its SHA-256 is not the one recorded for it."""
+        if not path.is_file():
+            return None
+        try:
+            loaded = load(path)
+        except Exception as error:  # noqa: BLE001  (tokenizers raises plain Exception for a malformed file)
+            problem = f"cannot be read ({type(error).__name__}: {error})"
+        else:
+            if path.name not in self.digests:
+                problem = f"has no SHA-256 in {self.path}"
+            elif file_sha256(path) != self.digests[path.name]:
+                problem = f"does not match its SHA-256 in {self.path}"
+            else:
+                return loaded
+        warnings.warn(f"cache file {path} {problem}; {remedy}", RuntimeWarning, stacklevel=3)
         return None
-    try:
-        return load(path)
-    except Exception as error:  # noqa: BLE001  (tokenizers raises plain Exception for a malformed file)
-        warnings.warn(f"cache file {path} cannot be read ({type(error).__name__}: {error}); {remedy}", RuntimeWarning,
-                      stacklevel=3)
-        return None
+
+    def written(self, path: Path) -> None:
+        """Record the SHA-256 of ``path``, which was just written."""
+        self.digests[path.name] = file_sha256(path)
+        self.changed = True
+
+    def save(self) -> None:
+        """Write the record file atomically, if a file was recorded since it was read."""
+        if self.changed:
+            text = "".join(f"{digest}  {name}\n" for name, digest in sorted(self.digests.items()))
+            _write_atomically(self.path, lambda temporary: temporary.write_text(text))
 
 
 def _load_ids(path: Path, tokenizer: BPE) -> np.ndarray:

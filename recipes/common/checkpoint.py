@@ -25,6 +25,7 @@ import random
 import re
 import warnings
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -205,6 +206,16 @@ def latest(directory: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def sha256_of(file: BinaryIO, length: int) -> str:
+    """The hex SHA-256 of the first ``length`` bytes of the open binary ``file``, read from its start in chunks."""
+    sha256 = hashlib.sha256()
+    file.seek(0)
+    while length > 0 and (chunk := file.read(min(CHUNK, length))):
+        sha256.update(chunk)
+        length -= len(chunk)
+    return sha256.hexdigest()
+
+
 def verify(path: Path) -> None:
     """Check that ``path`` ends in a SHA-256 footer matching the bytes before it.
 
@@ -221,13 +232,8 @@ def verify(path: Path) -> None:
         if size < FOOTER_SIZE or not (stored.startswith(FOOTER_PREFIX) and stored.endswith(b"\n")):
             raise CheckpointReadError("no SHA-256 footer at its end: truncated, damaged, or not written by this "
                                       "version of recipes.common.checkpoint.save")
-        sha256, remaining = hashlib.sha256(), size - FOOTER_SIZE
-        f.seek(0)
-        while remaining:
-            chunk = f.read(min(CHUNK, remaining))
-            sha256.update(chunk)
-            remaining -= len(chunk)
-    if footer(sha256.hexdigest()) != stored:
+        digest = sha256_of(f, size - FOOTER_SIZE)
+    if footer(digest) != stored:
         raise CheckpointReadError("its SHA-256 differs from the one written with it: the file is damaged")
 
 
