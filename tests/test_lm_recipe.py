@@ -3,7 +3,9 @@ model, data, the model, the optimizers (what all three recipes share is tested i
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 import struct
 from pathlib import Path
@@ -334,6 +336,36 @@ def test_text_split_does_not_depend_on_where_the_corpus_lies_or_how_the_glob_spe
               for pattern in (str(tmp_path / "a/**/*.txt"), "a/**/*.txt", "./a/**/*.txt", str(tmp_path / "b/**/*.txt"))]
     assert len(splits[0].val) and all(np.array_equal(s.val, splits[0].val) for s in splits)
     assert data.text_sources("a/**/*.txt")[0][0] == "sub/doc0.txt"
+
+
+def test_a_file_name_that_is_not_utf8_is_split_by_its_bytes(tmp_path):
+    """A name's bytes (``os.fsencode``) decide its split, so a name that is not UTF-8 (Latin-1) is read like any."""
+    for i in range(20):
+        (tmp_path / f"doc{i}.py").write_text(f"x = {i}\n" * 100)
+    name = b"caf\xe9.py"
+    (tmp_path / os.fsdecode(name)).write_text("latin_one_name = True\n" * 100)
+    corpus = data.load_corpus("text", str(tmp_path / "*.py"), 10**6, 0.2, "uint8")
+    held_out = int.from_bytes(hashlib.sha256(name).digest()[:8], "big") < 0.2 * 2**64
+    assert b"latin_one_name" in (corpus.val if held_out else corpus.train).tobytes()
+
+
+@pytest.mark.parametrize("names", [["only.txt"], ["b.txt", "c.txt", "part1.txt"]])
+def test_files_whose_names_all_hash_to_one_split_are_cut_by_position(tmp_path, names):
+    """A glob of one file (or of a few, all hashing to one split) would leave a split empty: the files are joined
+    and their last data.val_fraction held out. Data too short for a window still says what to raise."""
+    assert len({data.is_validation(name, 0.1) for name in names}) == 1
+    text = "".join(f"line {i} of the text\n" for i in range(2000))
+    for name in names:
+        (tmp_path / name).write_text(text)
+    stream = (text.encode() + data.SEPARATOR) * len(names)
+    cut = len(stream) - int(len(stream) * 0.1)
+    corpus = data.load_corpus("text", str(tmp_path / "*.txt"), 10**6, 0.1, "uint8")
+    assert corpus.train.tobytes() == stream[:cut] and corpus.val.tobytes() == stream[cut:]
+    text_data = ("data.source=text", f"data.path={tmp_path / '*.txt'}", "train.steps=1", "train.eval_interval=1")
+    assert np.isfinite(train(LM.config(tmp_path, *text_data))["val/loss"])
+    with pytest.raises(ValueError, match=r"^the validation split has 50 tokens, fewer than data.context_length \+ 1 = "
+                                         r"65; raise data.max_bytes or data.val_fraction, or shorten the context$"):
+        train(LM.config(tmp_path, *text_data, "name=short", "data.max_bytes=1000", "data.val_fraction=0.05"))
 
 
 def test_resume_refuses_other_training_windows():

@@ -89,8 +89,9 @@ def text_sources(pattern: str) -> list[tuple[str, Path]]:
 
 
 def is_validation(name: str, val_fraction: float) -> bool:
-    """Whether the document ``name`` belongs to the validation split: its SHA-256 falls below ``val_fraction``."""
-    digest = int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "big")
+    """Whether the document ``name`` belongs to the validation split: the SHA-256 of its bytes (``os.fsencode``:
+    a file name that is not UTF-8 has them too) falls below ``val_fraction``."""
+    digest = int.from_bytes(hashlib.sha256(os.fsencode(name)).digest()[:8], "big")
     return digest < val_fraction * 2**64
 
 
@@ -99,8 +100,12 @@ def split_documents(sources: list[tuple[str, Path]], max_bytes: int, val_fractio
 
     The validation split gets ``val_fraction * max_bytes`` bytes and training the rest; each is cut
     to exactly its share. Which split a document lands in depends only on its name, so the splits
-    are disjoint and the same on every run.
+    are disjoint and the same on every run. If every name hashes to the same split (one file, or a
+    few), that would leave the other empty: the documents are cut by position instead
+    (:func:`split_by_position`).
     """
+    if len({is_validation(name, val_fraction) for name, _ in sources}) == 1:
+        return split_by_position(sources, max_bytes, val_fraction)
     budget = {True: int(max_bytes * val_fraction), False: max_bytes - int(max_bytes * val_fraction)}
     chunks: dict[bool, list[bytes]] = {True: [], False: []}
     filled = {True: 0, False: 0}
@@ -115,6 +120,21 @@ def split_documents(sources: list[tuple[str, Path]], max_bytes: int, val_fractio
         filled[split] += len(data)
     train, val = (np.frombuffer(b"".join(chunks[s]), dtype=np.uint8)[: budget[s]] for s in (False, True))
     return Corpus(train=train, val=val)
+
+
+def split_by_position(sources: list[tuple[str, Path]], max_bytes: int, val_fraction: float) -> Corpus:
+    """The documents read in order, each followed by the separator, up to ``max_bytes`` bytes; the last
+    ``val_fraction`` of them is the validation split."""
+    chunks, size = [], 0
+    for _, path in sources:
+        if size >= max_bytes:
+            break
+        with open(path, "rb") as file:
+            chunks.append(file.read(max_bytes - size) + SEPARATOR)
+        size += len(chunks[-1])
+    stream = np.frombuffer(b"".join(chunks), dtype=np.uint8)[:max_bytes]
+    cut = len(stream) - int(len(stream) * val_fraction)
+    return Corpus(train=stream[:cut], val=stream[cut:])
 
 
 def binary_file(path: str) -> Path:
