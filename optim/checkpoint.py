@@ -30,7 +30,10 @@ attention differently from the first run (its mode or attention implementation s
 more without them, with a warning. The kept outputs are freed by the backward (unless it retains the graph).
 The random-number state (dropout), the autocast state and the buffers (e.g. batch-norm statistics) of the first
 run are restored for each recomputation, so every run computes the same function and the module's state is
-updated once. Under ``torch.no_grad`` it is ``module(*inputs)``: there is no backward to recompute for; under
+updated once. Parameters and buffers are swapped by :func:`optim.swap.swapped`, so a module registered more
+than once or shared by two parents, and weights tied across modules, stay as they were. A module whose output
+is (a view of) one of its inputs or parameters runs plainly, so that the output stays an alias as without
+checkpointing; the caller may modify any output in place. Under ``torch.no_grad`` it is ``module(*inputs)``: there is no backward to recompute for; under
 ``torch.func`` transforms too, with a warning (its Function has no functorch rules).
 
 Refused with an error rather than computed wrong: a module that modifies one of its inputs in place (the
@@ -52,10 +55,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
-from torch.func import functional_call
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from flashbob import kept
+from optim import swap
 
 
 @dataclass
@@ -80,17 +83,18 @@ class _Run:
 
     def __call__(self, tensors: list[Tensor], buffers: dict[str, Tensor] | None = None) -> Tensor:
         params = dict(zip(self.names, tensors[self.n_inputs:]))
-        output = functional_call(self.module, {**params, **(buffers or {})}, tuple(tensors[: self.n_inputs]))
+        output = swap.call(self.module, {**params, **(buffers or {})}, *tensors[: self.n_inputs])
         if not isinstance(output, Tensor):
             raise TypeError(f"checkpoint: the module must return one tensor, got {type(output).__name__}")
         return output
 
-    def first(self, primals: list[Tensor]) -> tuple[Tensor, Tensor | None]:
+    def first(self, primals: list[Tensor]) -> tuple[Tensor | None, Tensor | None]:
         """The first run, in the caller's random-number and autocast state, under the conditions of the
         recomputations (grad enabled, the same tangents and, in reverse mode, the same tensors requiring grad), so
         that a module that branches on them calls the same operations (and attention) in both; keeps the buffers
         it changes and the attention outputs. Returns the output and its tangent, detached (the graph recorded is
-        dropped). In forward mode no tensor requires grad: a graph recorded with tangents would hold itself (saved
+        dropped), or ``(None, None)`` with the module's buffers and the random-number state as before it ran where the
+        output is (a view of) an input or a parameter. In forward mode no tensor requires grad: a graph recorded with tangents would hold itself (saved
         outputs keep their tangents, whose graph leads back) until a backward this run never gets."""
         record = self.tangents is None
         tensors = [t.detach().requires_grad_() if t.requires_grad and record else t.detach() for t in primals]
@@ -112,7 +116,17 @@ class _Run:
                                    "e.g. inplace=False)")
         # by value: batch norm updates its running statistics inside the kernel, without a new version
         self.buffers = {name: copy for name, copy in before.items() if not torch.equal(buffers[name], copy)}
-        return output.primal.detach(), None if output.tangent is None else output.tangent.detach()
+        if _shares_storage(output.primal, [fwAD.unpack_dual(t).primal for t in (*primals, *tensors)]):
+            for name, copy in self.buffers.items():  # undone, for the plain run that follows
+                buffers[name].copy_(copy)
+            torch.set_rng_state(self.cpu_rng)
+            if self.devices:
+                set_device_states(self.devices, self.device_rng, device_type=self.device_type)
+            return None, None
+        tangent = output.tangent
+        if tangent is not None:  # its own storage, so that the caller may modify the output in place
+            tangent = tangent.detach().clone() if _shares_storage(tangent, self.tangents) else tangent.detach()
+        return output.primal.detach(), tangent
 
     def again(self, tensors: list[Tensor]) -> Tensor:
         """A run that repeats the first (:meth:`_repeat`), reusing the kept attention outputs; where it called
@@ -150,6 +164,12 @@ class _Run:
         return self.tangents is not None and fwAD.unpack_dual(self.level).tangent is not None
 
 
+def _shares_storage(tensor: Tensor, others: list[Tensor | None]) -> bool:
+    """Whether ``tensor`` is (a view of) one of ``others``."""
+    pointer = tensor.untyped_storage().data_ptr()
+    return pointer != 0 and any(t is not None and t.untyped_storage().data_ptr() == pointer for t in others)
+
+
 def _refuse_captured(output: Tensor, wrt: list[Tensor]) -> None:
     """Raise if ``output``'s graph reaches a tensor requiring grad other than ``wrt`` (and what they came from):
     a tensor the module captured, whose gradient ``autograd.grad(output, wrt)`` would drop."""
@@ -170,11 +190,12 @@ def _refuse_captured(output: Tensor, wrt: list[Tensor]) -> None:
 
 
 class _NoReverseThroughTangent(torch.autograd.Function):
-    """The output's tangent as it is, with a backward that refuses reverse-over-forward."""
+    """The output's tangent (handed over in a list, so that the Function returns a tensor of its own rather than
+    a view of an input, which could not be modified in place), with a backward that refuses reverse-over-forward."""
 
     @staticmethod
-    def forward(ctx, tangent: Tensor, *depends_on: Tensor) -> Tensor:
-        return tangent.view_as(tangent)
+    def forward(ctx, tangent: list[Tensor], *depends_on: Tensor) -> Tensor:
+        return tangent.pop()
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -259,10 +280,12 @@ def checkpoint(module: nn.Module, *inputs: Tensor, save_attention: bool = True,
         run.tangents = tangents
         run.level = fwAD.make_dual(torch.zeros(()), torch.zeros(()))
     run.output, tangent = run.first(primals)
+    if run.output is None:  # the output is (a view of) an input: nothing to recompute, and the caller may rely on
+        return module(*inputs)  # the alias (an in-place change of the output changes the input)
     output = _Recomputed.apply(run, *primals)
     if tangent is None:
         return output
     differentiable = [t for t in (*primals, *tangents) if t is not None and t.requires_grad]
     if differentiable:
-        tangent = _NoReverseThroughTangent.apply(tangent, *differentiable)
+        tangent = _NoReverseThroughTangent.apply([tangent], *differentiable)
     return fwAD.make_dual(output, tangent)

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
-from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 
 from optim._tangent_products import LeanLinearTangents
+from optim.swap import swapped
 
 if TYPE_CHECKING:
     from scipy.sparse.linalg import LinearOperator
@@ -98,23 +98,6 @@ def _unflatten(flat: Tensor, like: Tensors) -> tuple[Tensor, ...]:
     return tuple(c.view_as(t) for c, t in zip(chunks, like, strict=True))
 
 
-class _Call(nn.Module):
-    """A module whose forward runs ``fn``, so that :func:`torch.func.functional_call` can swap the
-    parameters of ``module`` (which ``fn`` runs) for the duration of one call."""
-
-    def __init__(self, module: nn.Module, fn: Callable[[], Result]) -> None:
-        super().__init__()
-        self.module = module
-        self.fn = fn
-        self.watch: _ParameterWatch | None = None
-
-    def forward(self) -> Result:
-        if self.watch is None:
-            return self.fn()
-        with self.watch:
-            return self.fn()
-
-
 #: Per module, the code objects of the ``fn`` whose first run with replaced values :class:`_ParameterWatch` saw
 _WATCHED: weakref.WeakKeyDictionary[nn.Module, set[object]] = weakref.WeakKeyDictionary()
 
@@ -142,9 +125,9 @@ def functional(
     r"""A closure that runs ``module``, as a function of values for its parameters.
 
     ``functional(model, fn, params)(values)`` runs ``fn()`` with ``values[i]`` in place of
-    ``params[i]`` inside ``model`` (by :func:`torch.func.functional_call`; tied parameters stay
-    tied, buffers are the module's own) and returns what ``fn`` returns; the module is unchanged
-    afterwards. This is the form ``mode="forward"`` needs: it runs the model again with tangents
+    ``params[i]`` inside ``model`` (by :func:`optim.swap.swapped`: tied parameters stay tied, a
+    submodule registered more than once is swapped once, buffers are the module's own) and returns what
+    ``fn`` returns; the module holds its own parameters again afterwards. This is the form ``mode="forward"`` needs: it runs the model again with tangents
     attached to the values. ``fn`` must be deterministic (no dropout) for the products to be those of
     one matrix, and must reach the parameters through ``module``: a tensor it captured before
     (``w = model.weight; lambda: f(x @ w)``) is not replaced, so its derivatives would be zero. The first
@@ -175,28 +158,25 @@ def functional(
         raise ValueError(f"params {missing} are not parameters of the module {type(module).__name__}")
     first = {}
     for i, p in enumerate(params):
-        if first.setdefault(id(p), i) != i:  # one name for both: functional_call would keep only the last value
+        if first.setdefault(id(p), i) != i:  # one slot for both: only one value could go in it
             raise ValueError(f"params {first[id(p)]} and {i} are the same tensor (a tied weight listed twice): "
                              "list it once, as module.parameters() does")
-    keys = [f"module.{names[id(p)]}" for p in params]
-    call = _Call(module, fn)
+    keys = [names[id(p)] for p in params]
     site = getattr(fn, "__code__", type(fn))  # the watch runs once per module and place in the code that makes fn
 
     def run(values: Tensors) -> Result:
         if len(values) != len(keys):
             raise ValueError(f"expected {len(keys)} values, one per parameter, got {len(values)}")
         replaced = [p for p, value in zip(params, values) if value is not p]
-        if not replaced or site in _WATCHED.get(module, ()):
-            return functional_call(call, dict(zip(keys, values)), ())
-        call.watch = _ParameterWatch(replaced)  # a mode: host time on every torch call, hence once
-        try:
-            result = functional_call(call, dict(zip(keys, values)), ())
-        finally:
-            seen, call.watch = call.watch.seen, None
-        if seen:
+        with swapped(module, dict(zip(keys, values))):
+            if not replaced or site in _WATCHED.get(module, ()):
+                return fn()
+            with _ParameterWatch(replaced) as watch:  # a mode: host time on every torch call, hence once
+                result = fn()
+        if watch.seen:
             raise RuntimeError(
                 f"functional({type(module).__name__}, fn): fn uses the parameter tensors themselves "
-                f"({', '.join(names[id(p)] for p in seen.values())}), not through the module: fn runs with the "
+                f"({', '.join(names[id(p)] for p in watch.seen.values())}), not through the module: fn runs with the "
                 "module's parameters replaced by the values it is given (e.g. copies that carry forward-mode "
                 "tangents), so a tensor fn captured before (w = model.weight; lambda: f(x @ w)) would stay "
                 "constant and its derivatives would be silently zero; reach the parameters through the module "

@@ -164,6 +164,60 @@ def test_shared_blocks_and_tied_inputs_are_counted_once() -> None:
     assert_same_products(model, lambda: loss(lambda module, *inputs: module(*inputs)), lambda: loss(optim.checkpoint))
 
 
+class ViewOfInput(nn.Module):
+    """A block whose output is its input reshaped (the first half of a residual, an identity in place of a
+    dropped layer), with a buffer it updates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x.view(x.shape)
+
+
+@pytest.mark.parametrize("change", ["add_", "relu_inplace", "mul_"])
+def test_the_output_can_be_modified_in_place(change: str) -> None:
+    """``h = checkpoint(block, x); h += x`` (or an in-place ReLU) in every mode, also forward-over-reverse, where the
+    output's tangent was a view that could not be modified in place."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"block": nn.Sequential(nn.Linear(3, 3), nn.GELU()), "head": nn.Linear(3, 2)}).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+
+    def loss(call) -> torch.Tensor:
+        h = call(model["block"], x * model["head"].bias.sum())
+        if change == "add_":
+            h += x
+        elif change == "relu_inplace":
+            h = F.relu(h, inplace=True)
+        else:
+            h.mul_(x)
+        return model["head"](h).square().sum()
+
+    assert_same_products(model, lambda: loss(lambda module, *inputs: module(*inputs)), lambda: loss(optim.checkpoint))
+
+
+def test_an_output_that_is_a_view_of_the_input_stays_one() -> None:
+    """The output keeps aliasing the input, as without checkpointing: an in-place change of it changes the input
+    (checkpointing had copied it, so the loss and every derivative were silently those of another function). The
+    module's buffers are updated once."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"view": ViewOfInput(), "head": nn.Linear(3, 3)}).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+
+    def loss(call) -> torch.Tensor:
+        inner = x * model["head"].weight.sum()
+        h = call(model["view"], inner)
+        h.mul_(3)
+        return (model["head"](h) * inner).square().sum()
+
+    assert_same_products(model, lambda: loss(lambda module, *inputs: module(*inputs)), lambda: loss(optim.checkpoint))
+    calls = model["view"].calls.item()
+    loss(optim.checkpoint).backward()
+    assert model["view"].calls.item() == calls + 1
+
+
 def test_buffers_are_updated_once_and_restored_for_the_recomputation() -> None:
     """Batch norm in training mode updates its running statistics inside the kernel (no new tensor version); the
     recomputations must neither update them again nor see the updated values."""
