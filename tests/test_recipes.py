@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes.common import checkpoint
+from recipes.common import checkpoint, cli
 from recipes.common.config import ConfigError
 from tests.runs import RECIPES, read_jsonl
 
@@ -97,6 +97,18 @@ def test_bad_config_on_the_command_line_exits_with_the_message(tmp_path, capsys,
         RECIPES[recipe].main(RECIPES[recipe].arguments(tmp_path, "train.stpes=5"))
     assert exit_.value.code == 2
     assert "'train.stpes'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["--config", "run.yaml", "a=1", "--resume", "auto", "b=2"],
+    ["a=1", "--config", "run.yaml", "b=2", "--resume=auto"],
+    ["--resume", "auto", "a=1", "b=2", "--config", "run.yaml"],
+])
+def test_options_may_stand_anywhere_among_the_overrides(argv):
+    loaded = []
+    cli.run("lm", "", lambda path, overrides: loaded.append((path, overrides)) or {}, lambda cfg: {},
+            lambda key: True, argv)
+    assert loaded == [("run.yaml", ["a=1", "b=2", "train.resume=auto"])]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

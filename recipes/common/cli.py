@@ -22,8 +22,9 @@ def run(
     summary_keys: Callable[[str], bool],
     argv: list[str] | None = None,
 ) -> dict[str, float]:
-    """Parse the arguments, load and validate the config, train, and print the summary values whose
-    keys ``summary_keys`` accepts (rank 0 only under ``torchrun``).
+    """Parse the arguments (``--config`` and ``--resume`` may stand anywhere among the overrides), load and
+    validate the config, train, and print the summary values whose keys ``summary_keys`` accepts (rank 0
+    only under ``torchrun``).
 
     A config error, found while loading or once training starts (no CUDA device, a checkpoint of
     another model), exits with status 2 and the one-line message; a run folder in use and an
@@ -33,7 +34,7 @@ def run(
     parser.add_argument("--config", help=f"YAML config, e.g. configs/{name}/tiny.yaml (default: the schema's defaults)")
     parser.add_argument("--resume", help="checkpoint file or folder, or 'auto' (same as train.resume=...)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="override any setting, e.g. train.steps=50")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options anywhere among the overrides
     overrides = args.overrides + ([f"train.resume={args.resume}"] if args.resume else [])
     try:
         cfg = load_config(args.config, overrides)
