@@ -123,13 +123,23 @@ class _Sophia(_closure.SecondOrderOptimizer):
             generator = _dist.shared_generator(device, self.group, per_rank=self._probes_per_rank)
         self.generator = generator
         self.hessian_batch = hessian_batch
-        self._refresh_requested = False  # update_hessian was called since the last step
-        self._pending_refresh = False  # ... and refreshed h
-        self._unreached: set[int] = set()  # ids of the parameters the last closure's loss did not reach
 
     def _global(self) -> dict[str, Any]:
-        """State shared by all parameters, kept (as in ``torch.optim.LBFGS``) in the first parameter's state."""
+        """State shared by all parameters, kept (as in ``torch.optim.LBFGS``) in the first parameter's state, so that
+        ``state_dict`` carries it: ``step``, the steps taken; ``unreached``, the positions in the optimizer's parameter
+        order (the keys of ``state_dict()["state"]``) of the trainable parameters the last step skipped (its loss did
+        not reach them; without a closure, they held no ``p.grad``); ``update_hessian``, present from a call of
+        :meth:`update_hessian` to the next step, whether that call refreshed :math:`h`."""
         return self.state[self.param_groups[0]["params"][0]]
+
+    def _positions(self) -> dict[int, int]:
+        """Each parameter's position in the optimizer's parameter order, by ``id``."""
+        return {id(p): i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
+
+    def _record_unreached(self, unreached: list[Tensor]) -> None:
+        """Keep the positions of the parameters this step skipped in the shared state (:meth:`_global`)."""
+        positions = self._positions()
+        self._global()["unreached"] = sorted(positions[id(p)] for p in unreached)
 
     def _estimate(
         self, result: _closure.ClosureResult, call: _closure.Closure, params: list[Tensor],
@@ -168,18 +178,23 @@ class _Sophia(_closure.SecondOrderOptimizer):
         update is computed and before it is written: one host synchronisation on a step without a refresh.
         """
         params, groups = self._trainable()
+        unreached = []
         if closure is None:
+            trainable = params
             params, groups = self._with_grad(params, groups)
+            kept = {id(p) for p in params}
+            unreached = [p for p in trainable if id(p) not in kept]
         self.stats = dict(loss=float("nan"), hessian_refreshed=0.0, hessian_rows=float("nan"),
                           unclipped_fraction=float("nan"), clip_fraction=float("nan"), step_skipped=1.0)  # fmt: skip
         if not params:
             return self._step_without_update(closure)
         count = self._global().get("step", 0)
-        loss, estimate, unreached = None, None, []
+        loss, estimate = None, None
         if closure is not None:
             loss, params, groups, unreached, due, grads, estimate = self._closure_step(closure, params, groups)
             if not params:  # the loss reaches no parameter: nothing to update
                 _closure.store_grads((), (), unreached)
+                self._record_unreached(unreached)
                 self.stats.update(loss=float(loss), step_skipped=0.0)
                 return loss
         else:
@@ -206,13 +221,14 @@ class _Sophia(_closure.SecondOrderOptimizer):
         torch._foreach_copy_(update.order, update.params)
         for p, m, h, n in zip(update.order, update.m, update.h, update.refreshes):
             self.state[p].update(exp_avg=m, hessian=h, hessian_refreshes=n)
-        self._global()["step"] = count + 1
+        shared = self._global()
+        shared["step"] = count + 1
+        self._record_unreached(unreached)
         fraction = unclipped / sum(p.numel() for p in params)
         self.stats.update(
-            hessian_refreshed=float(self._pending_refresh or bool(fresh)), unclipped_fraction=fraction,
+            hessian_refreshed=float(shared.pop("update_hessian", False) or bool(fresh)), unclipped_fraction=fraction,
             clip_fraction=1 - fraction, step_skipped=0.0,
         )  # fmt: skip
-        self._refresh_requested = self._pending_refresh = False
         return loss
 
     def _closure_step(
@@ -226,7 +242,6 @@ class _Sophia(_closure.SecondOrderOptimizer):
         result = _closure.evaluate(closure, self._owner)
         loss = _dist.average_loss(result.loss.detach(), self.group)
         params, groups, unreached = self._reached(result.loss, params, groups)
-        self._unreached = {id(p) for p in unreached}
         due = self._due(params, groups) if refresh else [False] * len(params)
         if not params:
             return loss, params, groups, unreached, due, (), None
@@ -257,16 +272,20 @@ class _Sophia(_closure.SecondOrderOptimizer):
         """For each parameter, whether the next step refreshes its :math:`h` (not if :meth:`update_hessian` just did):
         on its group's schedule, or because it has no :math:`h` yet (a group added, or a parameter unfrozen, after
         the first step), so that it does not take clipped sign steps on :math:`h = 0` until its group's next refresh.
-        A parameter that the last closure's loss did not reach (skipped, so still without :math:`h`) is not due for
-        that reason: a parameter the loss never reaches would otherwise make every step a refresh step.
+        A parameter that the last step skipped (``unreached`` in :meth:`_global`, so still without :math:`h`) is not
+        due for that reason: a parameter the loss never reaches would otherwise make every step a refresh step.
         """
-        count = self._global().get("step", 0)
+        shared = self._global()
+        if "update_hessian" in shared:
+            return [False] * len(params)
+        count = shared.get("step", 0)
+        unreached = set(shared.get("unreached", ()))
+        positions = self._positions() if unreached else {}
         return [
-            not self._refresh_requested
-            and (count % group["update_period"] == 0
-                 or ("hessian" not in self.state.get(p, {}) and id(p) not in self._unreached))
+            count % group["update_period"] == 0
+            or ("hessian" not in self.state.get(p, {}) and positions.get(id(p)) not in unreached)
             for p, group in zip(params, groups)
-        ]  # fmt: skip
+        ]
 
     @property
     def refreshes_next_step(self) -> bool:
@@ -370,7 +389,7 @@ class _Sophia(_closure.SecondOrderOptimizer):
 
     def _refresh(self, params: list[Tensor], groups: list[dict[str, Any]], estimate: tuple[Tensor, ...]) -> None:
         r""":math:`h \leftarrow \beta_2 h + (1 - \beta_2) \hat h` for :meth:`update_hessian`."""
-        self._refresh_requested = True
+        self._global()["update_hessian"] = False
         if not _closure.all_finite(estimate):
             _closure.warn_skipped(self._owner, "curvature (Hessian estimate)")
             return
@@ -380,7 +399,7 @@ class _Sophia(_closure.SecondOrderOptimizer):
             state.update(hessian=new[0], hessian_refreshes=state.get("hessian_refreshes", 0) + 1)
 
         items = list(zip(params, groups, estimate))
-        self._pending_refresh = _closure.apply_if_finite(
+        self._global()["update_hessian"] = _closure.apply_if_finite(
             self._owner, items, lambda item: (self._hessian(*item),), commit
         )
 
@@ -525,8 +544,8 @@ class SophiaH(_Sophia):
         """In forward mode a refresh on the whole batch runs no pass of its own for the loss and gradient: they
         are the values of the first probe's forward-over-reverse pass (whose tangents give :math:`H u`). Which
         parameters the loss reaches is then known only after that pass: whether the step refreshes is decided
-        on every trainable parameter (a parameter without :math:`h` that the last closure's loss did not reach
-        does not make it due), the probes cover them all, and the unreached ones are left out afterwards."""
+        on every trainable parameter (a parameter without :math:`h` that the last step skipped does not make it
+        due), the probes cover them all, and the unreached ones are left out afterwards."""
         if self.mode == "reverse" or self.hessian_batch is not None:
             return super()._closure_step(closure, params, groups, refresh)
         due = self._due(params, groups)
@@ -539,7 +558,6 @@ class SophiaH(_Sophia):
         self.stats["hessian_rows"] = rows[0]
         mask = reached[0]
         (unreached,) = _closure.select([not r for r in mask], params)
-        self._unreached = {id(p) for p in unreached}
         params, groups, due = _closure.select(mask, params, groups, due)
         grads, estimate = map(tuple, _closure.select(mask, grads, estimate))
         return _dist.average_loss(operator.value, self.group), params, groups, unreached, due, grads, estimate

@@ -634,6 +634,150 @@ def test_state_dict_round_trip_continues_bit_for_bit(name):
     )
 
 
+class Resumable(nn.Module):
+    """Embedding, tanh layer and head (about 130 float64 parameters), with one parameter of ``kind``: a vector the
+    loss never reaches (``"unreached"``), a frozen hidden weight listed in the optimizer's groups or left out of them
+    (``"frozen_in_groups"``, ``"frozen_out_of_groups"``), or the head's weight tied to the embedding (``"tied"``)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 6, dtype=DTYPE)
+        if kind == "unreached":
+            self.unused = nn.Parameter(torch.randn(5, dtype=DTYPE))
+        self.hidden = nn.Linear(6, 6, dtype=DTYPE)
+        self.head = nn.Linear(6, 7, dtype=DTYPE)
+        if kind == "tied":
+            self.head.weight = self.embed.weight
+        if kind.startswith("frozen"):
+            self.hidden.weight.requires_grad_(False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.hidden(self.embed(tokens))))
+
+
+RESUMED = {  # each optimizer in each of its modes, built on (params, module, probe generator)
+    "sophia_h": lambda params, module, gen: SophiaH(params, lr=1e-2, update_period=2, generator=gen),
+    "sophia_h_module": lambda params, module, gen: SophiaH(params, lr=1e-2, update_period=2, generator=gen,
+                                                           module=module),
+    "sophia_h_forward": lambda params, module, gen: SophiaH(params, lr=1e-2, update_period=2, generator=gen,
+                                                            mode="forward", module=module),
+    "sophia_h_forward_hessian_batch": lambda params, module, gen: SophiaH(
+        params, lr=1e-2, update_period=2, generator=gen, mode="forward", module=module, hessian_batch=5
+    ),
+    "sophia_g": lambda params, module, gen: SophiaG(params, lr=1e-2, update_period=2, generator=gen),
+    "adahessian": lambda params, module, gen: AdaHessian(params, lr=1e-2, generator=gen),
+    "newton_ggn": lambda params, module, gen: NewtonCG(params, preconditioner="hutchinson", max_cg_iters=3,
+                                                       generator=gen),
+    "newton_ggn_forward": lambda params, module, gen: NewtonCG(params, preconditioner="hutchinson", max_cg_iters=3,
+                                                               generator=gen, mode="forward", module=module),
+    "newton_hessian_module": lambda params, module, gen: NewtonCG(
+        params, curvature="hessian", preconditioner="hutchinson", max_cg_iters=3, generator=gen, module=module
+    ),
+    "newton_hessian_forward": lambda params, module, gen: NewtonCG(
+        params, curvature="hessian", preconditioner="hutchinson", max_cg_iters=3, generator=gen, mode="forward",
+        module=module,
+    ),
+}
+KINDS = ["unreached", "frozen_in_groups", "frozen_out_of_groups", "tied"]
+
+
+def resumable(config: str, kind: str, seed: int) -> tuple[Resumable, torch.optim.Optimizer, torch.Generator]:
+    """A fresh model initialised from ``seed``, its optimizer ``config`` and the optimizer's probe generator."""
+    torch.manual_seed(seed)
+    model = Resumable(kind)
+    params = [p for p in model.parameters() if p.requires_grad or kind != "frozen_out_of_groups"]
+    generator = torch.Generator().manual_seed(seed + 100)
+    return model, RESUMED[config](params, model, generator), generator
+
+
+def same_stats(a: dict, b: dict) -> bool:
+    """Two ``stats`` dicts hold the same keys and values, NaN equal to NaN."""
+    same = (x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a.values(), b.values()))
+    return a.keys() == b.keys() and all(same)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("config", list(RESUMED))
+def test_state_dict_round_trip_resumes_bit_for_bit_with_unreached_frozen_and_tied_parameters(config, kind):
+    """A run of 2k steps against k steps, the model, the optimizer and its probe generator through ``torch.save``
+    into fresh ones (initialised from another seed), and k more: bitwise the same parameters, optimizer state and
+    generator state, the same stats and the same ``refreshes_next_step`` before every step. Sophia
+    (``update_period=2``) resumes at step 2 (no refresh, k = 1) and at step 3 (a refresh, k = 2); the others take
+    curvature every step (k = 1). The checkpoints come from the run itself (``state_dict`` reads, it does not
+    change anything)."""
+    data = torch.Generator().manual_seed(7)
+    tokens, targets = torch.randint(0, 7, (12,), generator=data), torch.randint(0, 7, (12,), generator=data)
+    breaks = (1, 2) if config.startswith("sophia") else (1,)
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[bool, dict]:
+        """One step; ``refreshes_next_step`` before it and the stats after it."""
+
+        def closure(rows=slice(None)):
+            logits = model(tokens[rows])
+            return F.cross_entropy(logits, targets[rows]), logits
+
+        refreshes = opt.refreshes_next_step
+        opt.step(closure)
+        return refreshes, dict(opt.stats)
+
+    def snapshot(model: nn.Module, opt: torch.optim.Optimizer, generator: torch.Generator) -> tuple:
+        return flat(model), copy.deepcopy(opt.state_dict()), generator.get_state()
+
+    model, opt, generator = resumable(config, kind, seed=0)
+    through, saved, reached = [], {}, {}
+    for t in range(1, 2 * max(breaks) + 1):
+        through.append(step(model, opt))
+        if t in breaks:
+            buffer = io.BytesIO()
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                        "generator": generator.get_state()}, buffer)  # fmt: skip
+            saved[t] = buffer.getvalue()
+        reached[t] = snapshot(model, opt, generator)
+
+    for k in breaks:
+        checkpoint = torch.load(io.BytesIO(saved[k]), weights_only=True)
+        resumed_model, resumed, resumed_generator = resumable(config, kind, seed=1)
+        resumed_model.load_state_dict(checkpoint["model"])
+        resumed.load_state_dict(checkpoint["optimizer"])
+        resumed_generator.set_state(checkpoint["generator"])
+        after = [step(resumed_model, resumed) for _ in range(k)]
+        params, state, generator_state = reached[2 * k]
+        assert torch.equal(flat(resumed_model), params), f"parameters, resumed after {k}"
+        assert_same_state(resumed.state_dict(), state)
+        assert torch.equal(resumed_generator.get_state(), generator_state)
+        expected = through[k : 2 * k]
+        assert [r for r, _ in after] == [r for r, _ in expected], f"refreshes_next_step, resumed after {k}"
+        assert all(same_stats(a, b) for (_, a), (_, b) in zip(after, expected)), (k, after, expected)
+
+
+@pytest.mark.parametrize("cls", [SophiaH, SophiaG], ids=lambda cls: cls.__name__)
+def test_sophia_optimizer_loaded_between_update_hessian_and_step_takes_the_same_step(cls):
+    """``update_hessian`` refreshes :math:`h` for the next step, which then takes no estimate of its own (SophiaH's
+    loop keeps the gradient's graph, from which a refresh step would take one): an optimizer loaded from the
+    ``state_dict`` written between the two takes bitwise the step the original takes, with the same stats and
+    probe draws."""
+    results = []
+    for reload in (False, True):
+        model, x, y = mlp_problem()
+        generator = torch.Generator().manual_seed(3)
+        opt = cls(model.parameters(), lr=1e-2, update_period=2, generator=generator)
+        logits = model(x)
+        loss = F.cross_entropy(logits, y)
+        opt.update_hessian(loss if cls is SophiaH else logits)
+        loss.backward(create_graph=cls is SophiaH)
+        if reload:
+            buffer = io.BytesIO()
+            torch.save(opt.state_dict(), buffer)
+            opt = cls(model.parameters(), lr=1e-2, update_period=2, generator=generator)
+            opt.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
+        opt.step()
+        results.append((flat(model), copy.deepcopy(opt.state_dict()), dict(opt.stats), generator.get_state()))
+    (params, state, stats, draws), (reloaded_params, reloaded_state, reloaded_stats, reloaded_draws) = results
+    assert torch.equal(reloaded_params, params) and torch.equal(reloaded_draws, draws)
+    assert_same_state(reloaded_state, state)
+    assert same_stats(reloaded_stats, stats) and stats["hessian_refreshed"] == 1.0
+
+
 class NaNCurvature(torch.autograd.Function):
     """Identity whose backward is NaN: inside a first derivative it poisons only the second."""
 
@@ -1113,13 +1257,21 @@ def test_sophia_h_forward_mode_skips_an_unreached_parameter_and_keeps_the_reache
     torch.testing.assert_close(results[0], results[1], rtol=1e-12, atol=1e-14)
 
 
-def test_sophia_a_parameter_never_reached_does_not_make_every_step_a_refresh():
+@pytest.mark.parametrize("mode", ["closure", "plain"])
+def test_sophia_a_parameter_never_reached_does_not_make_every_step_a_refresh(mode):
+    """With a closure whose loss never reaches a parameter, or in a ``backward(create_graph=True); step()`` loop
+    that never gives it a ``p.grad``: ``refreshes_next_step`` follows the schedule, as the steps do."""
     model, x, y = unused_problem()
     opt = SophiaH(model.parameters(), lr=1e-2, update_period=3)
     refreshed = []
     for _ in range(6):
         refreshed.append(opt.refreshes_next_step)
-        opt.step(lambda: F.cross_entropy(model(x), y))
+        if mode == "closure":
+            opt.step(lambda: F.cross_entropy(model(x), y))
+        else:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward(create_graph=True)
+            opt.step()
         assert opt.stats["hessian_refreshed"] == refreshed[-1]
     assert refreshed == [True, False, False, True, False, False]
 
