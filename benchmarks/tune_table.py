@@ -5,13 +5,26 @@ Run on the GPU from the checkout; one call does everything and prints one line p
     PYTHONPATH=. python benchmarks/tune_table.py            # head_dim 64, 128; bf16, fp16; N = 1K-64K; causal, not
     PYTHONPATH=. python benchmarks/tune_table.py --quick    # head_dim 128, bf16, N = 4K and 16K, causal and not
 
-The table goes to ``flashbob/kernels/tuned/<GPU>.json`` (``--out``), named after the GPU as
-``flashbob/kernels/tuning.py`` describes. Each shape (head_dim, dtype, causal, N; batch 1, ``--heads`` heads)
-runs what one Hessian-vector product launches in each mode: the forward, the backward and BoB with all three
-cotangents, and the forward-mode kernels with every tangent, all with ``FLASHBOB_AUTOTUNE=force`` and a
-throwaway tuning cache, so that every kernel is tuned at that shape. The picks are merged into the table after
-each shape: a run that stops (``--max-minutes``, a time limit, an error) keeps what it tuned, and the next run
-skips the shapes the table already records (``--retune`` does them again).
+The H100's table (bf16, head_dim 64 and 128, causal and not, N = 4K, 16K, 1K, 32K with 256K tokens per
+shape, 16 heads at least, in about 7 minutes; longer lengths take the 32K entries, other dtypes and head_dims
+the H200's table, ``flashbob/kernels/tuning.py``)::
+
+    PYTHONPATH=. python benchmarks/tune_table.py --expect-gpu "NVIDIA H100 80GB HBM3" --dtypes bfloat16 \
+        --lengths 4096 16384 1024 32768 --tokens 262144 --max-minutes 7
+
+The table goes to ``flashbob/kernels/tuned/<GPU>.json`` (``--out``: a file, or a folder to write ``<GPU>.json``
+in), named after the GPU as ``flashbob/kernels/tuning.py`` describes, with the GPU's compute capability in its
+header (the GPU must be listed under it in ``tuning.ARCHITECTURE_TABLES`` for other GPUs of its architecture
+to use the table); ``--expect-gpu`` refuses to run on another GPU than the one named. Each
+shape (head_dim, dtype, causal, N; batch 1, ``--heads`` heads, or ``--tokens / N``: :func:`heads_at`) runs what one
+Hessian-vector product launches in each mode: the forward, the backward and BoB with all three cotangents,
+and the forward-mode kernels with every tangent (``tuning.run_hvp_kernels``), all tuned (mode ``force``)
+into a throwaway tuning cache, so that every kernel is tuned at that shape. Shapes run length by length in
+the order of ``--lengths``, every flag set at one length before the next length, so that a run that stops
+early has the first lengths of every flag set. The picks are merged into the table after each shape: a run
+that stops (``--max-minutes``, a time limit, an error) keeps what it tuned, and the next run skips the shapes
+the table already records (``--retune`` does them again; to go on from a shipped table, copy it to
+``--out`` first).
 
 First, ``--jobs`` worker processes compile every candidate into Triton's cache: each takes one flag set
 (head_dim, dtype, causal) and one part of the kernels (the first-order ones, BoB's, the forward-mode ones), runs
@@ -22,7 +35,6 @@ process, alone on the GPU) spends its time timing, not compiling.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -35,59 +47,48 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.testing
 
 from benchmarks.environment import ROOT, child_environment
+from flashbob.kernels import tuning
 
-LENGTHS = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
-PARTS = ("first_order", "bob", "forward_mode")
+LENGTHS = [4096, 16384, 1024, 65536, 8192, 2048, 32768]  # in the order they are tuned
+PARTS = tuning.PARTS
+
+
+def heads_at(n: int, args) -> int:
+    """The number of heads of a shape of length ``n``: ``--tokens / n`` rounded down to a multiple of 16, at least
+    16, if ``--tokens``; else ``--heads``. Triton specializes a kernel's integer arguments (the number of heads is
+    one) on their divisibility by 16: so every length runs the kernels that the compile phase compiled at the
+    shortest one."""
+    return max(16, args.tokens // n // 16 * 16) if args.tokens else args.heads
 
 
 def shapes(args) -> list[tuple[int, str, bool, int]]:
-    """(head_dim, dtype, causal, N) to tune, in order."""
-    return [(head_dim, dtype, bool(causal), n) for head_dim in args.head_dims for dtype in args.dtypes
-            for causal in args.causal for n in args.lengths]
-
-
-@contextlib.contextmanager
-def tuned(tune: bool):
-    """Launches inside tune every kernel (``FLASHBOB_AUTOTUNE=force``) or use the defaults."""
-    previous = os.environ.get("FLASHBOB_AUTOTUNE")
-    os.environ["FLASHBOB_AUTOTUNE"] = "force" if tune else "defaults"
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["FLASHBOB_AUTOTUNE"]
-        else:
-            os.environ["FLASHBOB_AUTOTUNE"] = previous
+    """(head_dim, dtype, causal, N) to tune, in order: by length in the order of ``--lengths``, then dtype,
+    head_dim and causal."""
+    return [(head_dim, dtype, bool(causal), n) for n in args.lengths for dtype in args.dtypes
+            for head_dim in args.head_dims for causal in args.causal]
 
 
 def run_hvp_kernels(head_dim: int, dtype: str, causal: bool, n: int, heads: int, parts=PARTS) -> None:
-    """Launch, once, every kernel that one Hessian-vector product runs at this shape in reverse mode (forward,
-    backward, BoB with all cotangents) and in forward mode (forward_jvp, backward_jvp with all tangents); the
-    kernels of ``parts`` are tuned, the others take their defaults."""
-    from flashbob import kernels
+    """``tuning.run_hvp_kernels`` on the GPU: the kernels of ``parts`` tuned (mode ``force``), the others with
+    their defaults."""
+    tuning.run_hvp_kernels(head_dim, dtype, causal, n, heads, parts=parts, mode="force")
 
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    tensor = lambda: torch.randn(1, heads, n, head_dim, device="cuda", dtype=getattr(torch, dtype), generator=generator)
-    q, k, v, do, q_bar, k_bar, v_bar, q_dot, k_dot, v_dot, do_dot = (tensor() for _ in range(11))
-    options = {"causal": causal, "scale": head_dim**-0.5}
-    with tuned("first_order" in parts):
-        o, stats = kernels.forward(q, k, v, **options)
-        _, _, _, delta = kernels.backward(q, k, v, o, stats, do, **options)
-    with tuned("bob" in parts):
-        kernels.bob(q, k, v, do, o, stats, delta, q_bar, k_bar, v_bar, **options)
-    with tuned("forward_mode" in parts):
-        kernels.forward_jvp(q, k, v, o, stats, q_dot, k_dot, v_dot, **options)
-        kernels.backward_jvp(q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, **options)
-    torch.cuda.synchronize()
+
+def expected_seconds(n: int, finished: list[tuple[int, float]]) -> float:
+    """How long a shape of length ``n`` should take, from the (length, seconds) of the shapes tuned so far: the
+    longest at this length, else the longest of any length scaled by ``max(1, n / its length)``; 0 before any."""
+    same = [seconds for length, seconds in finished if length == n]
+    if same:
+        return max(same)
+    return max((seconds * max(1.0, n / length) for length, seconds in finished), default=0.0)
 
 
 def compile_worker(head_dim: int, dtype: str, causal: bool, n: int, heads: int, part: str) -> None:
     """Compile every candidate of the kernels of ``part`` for one flag set into Triton's cache: tune them with a
     clock that runs each candidate once (compiling it) and times nothing."""
-    from flashbob.kernels import tuning
-
     with tuning.timed_by(lambda run: (run(), 0.0)[1]):
         run_hvp_kernels(head_dim, dtype, causal, n, heads, parts=(part,))
 
@@ -100,7 +101,7 @@ def compile_all(todo, args) -> None:
 
     def compile_one(task):
         (head_dim, dtype, causal), part = task
-        worker = json.dumps([head_dim, dtype, causal, n, args.heads, part])
+        worker = json.dumps([head_dim, dtype, causal, n, heads_at(n, args), part])
         environment = child_environment(FLASHBOB_CACHE_DIR=tempfile.mkdtemp())
         done = subprocess.run([sys.executable, __file__, "--compile-worker", worker], env=environment, cwd=ROOT,
                               capture_output=True, text=True, check=False)
@@ -115,7 +116,7 @@ def compile_all(todo, args) -> None:
 
 def tuned_entries(bucket: int) -> dict:
     """The picks tuned in this process for length ``bucket``, as table entries."""
-    from flashbob.kernels import configs, tuning
+    from flashbob.kernels import configs
 
     return {tuning.Key.from_json(row): configs.config_tuple(configs.BlockConfig(**row["config"]))
             for row in configs.tuned_configs()
@@ -128,12 +129,20 @@ def main() -> None:
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
     parser.add_argument("--dtypes", nargs="+", choices=("bfloat16", "float16"), default=["bfloat16", "float16"])
     parser.add_argument("--causal", nargs="+", type=int, default=[0, 1], help="1 causal, 0 not")
-    parser.add_argument("--lengths", nargs="+", type=int, default=LENGTHS)
+    parser.add_argument("--lengths", nargs="+", type=int, default=LENGTHS, help="tuned in this order")
     parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--out", default="", help="default: flashbob/kernels/tuned/<GPU>.json")
+    parser.add_argument("--tokens", type=int, default=0,
+                        help="heads = tokens / N (a multiple of 16, at least 16) instead of --heads: about the same "
+                             "tokens at every length")
+    parser.add_argument("--out", default="", help="the table's file, or a folder to write <GPU>.json in "
+                        "(default: flashbob/kernels/tuned/<GPU>.json)")
+    parser.add_argument("--expect-gpu", default="", help="exit unless torch.cuda.get_device_name() is this")
     parser.add_argument("--retune", action="store_true", help="tune the shapes the table already records again")
     parser.add_argument("--max-minutes", type=float, default=0,
-                        help="start no shape this long after the start, compiling included (0: no limit)")
+                        help="time budget from the start, compiling included: a shape starts only if the time it "
+                             "is expected to take (from the shapes tuned so far) is left (0: no limit)")
+    parser.add_argument("--warmup-ms", type=float, default=25, help="do_bench warm-up per candidate")
+    parser.add_argument("--rep-ms", type=float, default=100, help="do_bench repetitions per candidate (the median)")
     parser.add_argument("--jobs", type=int, default=max(1, min(16, (os.cpu_count() or 4) - 2)),
                         help="processes compiling candidates before the tuning (0: no compile phase)")
     parser.add_argument("--compile-worker", default="", help=argparse.SUPPRESS)
@@ -147,33 +156,52 @@ def main() -> None:
     if args.quick:
         args.head_dims, args.dtypes, args.lengths = [128], ["bfloat16"], [4096, 16384]
 
-    from flashbob.kernels import tuning
-
     gpu = torch.cuda.get_device_name()
+    if args.expect_gpu and gpu != args.expect_gpu:
+        sys.exit(f"this GPU is {gpu!r}, not {args.expect_gpu!r}: its table would be another GPU's")
+    capability = tuning.capability_name(torch.cuda.get_device_capability())
     out = Path(args.out) if args.out else tuning.table_path(gpu)
+    if out.is_dir():
+        out = out / tuning.table_path(gpu).name
     entries = dict(tuning.load_table(out))
     recorded = json.loads(out.read_text()).get("shapes", []) if out.exists() else []
     done = {tuple(shape) for shape in recorded} if not args.retune else set()
-    todo = [shape for shape in shapes(args) if (*shape, args.heads) not in done]
-    print(f"{gpu}: {len(todo)} shapes to tune into {out} ({len(entries)} entries there)", flush=True)
+    todo = [shape for shape in shapes(args) if (*shape, heads_at(shape[3], args)) not in done]
+    print(f"{gpu} (compute capability {capability}): {len(todo)} shapes to tune into {out} ({len(entries)} entries "
+          f"there)", flush=True)
+    if gpu not in tuning.ARCHITECTURE_TABLES.get(capability, ()):
+        print(f"note: {gpu!r} is not listed under {capability!r} in flashbob.kernels.tuning.ARCHITECTURE_TABLES, so "
+              "other GPUs of this architecture will not use its table", flush=True)
     if not todo:
         return
 
     os.environ["FLASHBOB_CACHE_DIR"] = tempfile.mkdtemp(prefix="flashbob-tune-table-")
     if args.jobs:
         compile_all(todo, args)
+    timer = lambda run: triton.testing.do_bench(run, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
+    finished, skipped = [], []
     for head_dim, dtype, causal, n in todo:
-        if args.max_minutes and time.perf_counter() - start > 60 * args.max_minutes:
-            print(f"stopped after {args.max_minutes} minutes; run again to go on", flush=True)
-            break
-        print(f"--- head_dim {head_dim}, {dtype}, causal={int(causal)}, N={n}, heads={args.heads}", flush=True)
-        run_hvp_kernels(head_dim, dtype, causal, n, args.heads)
+        heads = heads_at(n, args)
+        elapsed, expected = time.perf_counter() - start, expected_seconds(n, finished)
+        if args.max_minutes and elapsed + expected > 60 * args.max_minutes:
+            skipped.append((head_dim, dtype, causal, n))
+            print(f"--- skipped head_dim {head_dim}, {dtype}, causal={int(causal)}, N={n}: expected to take "
+                  f"{expected:.0f} s, {60 * args.max_minutes - elapsed:.0f} s left", flush=True)
+            continue
+        print(f"--- head_dim {head_dim}, {dtype}, causal={int(causal)}, N={n}, heads={heads} ({elapsed:.0f} s in)",
+              flush=True)
+        shape_start = time.perf_counter()
+        with tuning.timed_by(timer):
+            run_hvp_kernels(head_dim, dtype, causal, n, heads)
+        finished.append((n, time.perf_counter() - shape_start))
         entries.update(tuned_entries(tuning.bucket(n)))
-        recorded.append([head_dim, dtype, causal, n, args.heads])
-        tuning.write_table(out, gpu, entries, triton=triton.__version__, torch=torch.__version__,
-                           date=datetime.date.today().isoformat(), written_by="benchmarks/tune_table.py",
-                           shapes=recorded)
-    print(f"wrote {len(entries)} entries for {len(recorded)} shapes to {out}", flush=True)
+        recorded.append([head_dim, dtype, causal, n, heads])
+        tuning.write_table(out, gpu, entries, capability=capability, triton=triton.__version__,
+                           torch=torch.__version__, date=datetime.date.today().isoformat(),
+                           written_by="benchmarks/tune_table.py", shapes=recorded)
+        print(f"    {finished[-1][1]:.0f} s; {len(entries)} entries in {out}", flush=True)
+    print(f"wrote {len(entries)} entries for {len(recorded)} shapes to {out} in {time.perf_counter() - start:.0f} s"
+          + (f"; {len(skipped)} shapes skipped for time: run again to go on" if skipped else ""), flush=True)
 
 
 if __name__ == "__main__":

@@ -6,5 +6,15 @@ from flashbob.dropin import FallbackError, FallbackWarning, patch_sdpa, sdpa, se
 
 __version__ = "0.1.0"
 __all__ = [
-    "attention", "sdpa", "patch_sdpa", "set_strict", "FallbackWarning", "FallbackError", "reference", "__version__",
+    "attention", "sdpa", "patch_sdpa", "set_strict", "FallbackWarning", "FallbackError", "reference", "tune",
+    "__version__",
 ]
+
+
+def __getattr__(name: str):
+    """``flashbob.tune`` (:func:`flashbob.kernels.tuning.tune`), imported on first use: it imports triton."""
+    if name == "tune":
+        from flashbob.kernels.tuning import tune
+
+        return tune
+    raise AttributeError(f"module 'flashbob' has no attribute {name!r}")

@@ -16,11 +16,13 @@ import torch
 from flashbob import kernels, reference
 from flashbob.kernels import configs, tuning
 from tests.helpers import (
+    KERNEL_DEVICE,
     assert_matches,
     attention_inputs,
     exact_tolerance,
     needs_kernels,
     on_backend,
+    relative_error,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -321,7 +323,7 @@ def test_launch_tunes_once_then_launches_the_pick(folders, monkeypatch):
     launches reuse it without timing; tuned_configs reports it."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setenv("FLASHBOB_AUTOTUNE", "1")
-    monkeypatch.setattr(configs, "_gpu", lambda args: (None, GPU))
+    monkeypatch.setattr(configs, "_gpu", lambda args: (None, GPU, None))
     launched = []
     kernel = RecordingKernel(launched, lambda attempt: None)
     constants = {"HEAD_DIM": 128, "BLOCK_D": 128, **FLAGS}
@@ -357,10 +359,18 @@ def test_launch_raises_when_the_compiler_rejects_every_config(monkeypatch):
 
 
 def test_tuning_mode(monkeypatch):
+    """FLASHBOB_AUTOTUNE: unset or empty is 0, no tuning (the default); 1 tunes; tuning_as overrides it."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    for value, mode in (("1", "on"), ("0", "off"), ("force", "force"), ("defaults", "defaults")):
+    monkeypatch.delenv("FLASHBOB_AUTOTUNE", raising=False)
+    assert configs.tuning_mode() == "off" and not configs.autotune_enabled()
+    for value, mode in (("", "off"), ("1", "on"), ("0", "off"), ("force", "force"), ("defaults", "defaults")):
         monkeypatch.setenv("FLASHBOB_AUTOTUNE", value)
         assert configs.tuning_mode() == mode
+        with configs.tuning_as("fill"):
+            assert configs.tuning_mode() == "fill"
+        assert configs.tuning_mode() == mode
+    with pytest.raises(ValueError, match="unknown tuning mode"), configs.tuning_as("sometimes"):
+        pass
     with configs.override(block_m=16):
         assert configs.tuning_mode() == "defaults"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -375,8 +385,8 @@ def test_tuned_launches_give_the_reference_results(folders, monkeypatch, gen):
     """The whole path on the real kernels (in the interpreter on a CPU): on a pretend GPU that neither table
     nor cache knows, each kernel of the forward and backward is tuned on the call's own buffers, then its pick
     (here the last candidate, not the default) is launched; the outputs match the float64 oracle."""
-    monkeypatch.setattr(configs, "tuning_mode", lambda: "on")  # as on a GPU with default settings
-    monkeypatch.setattr(configs, "_gpu", lambda args: (None, GPU))
+    monkeypatch.setattr(configs, "tuning_mode", lambda: "on")  # as on a GPU with FLASHBOB_AUTOTUNE=1
+    monkeypatch.setattr(configs, "_gpu", lambda args: (None, GPU, None))
     q, k, v, do = on_backend("triton", *attention_inputs(gen, batch=1, heads=2, kv_heads=1, n=20, m=20, head_dim=16))
     ticks = itertools.count()
     with tuning.timed_by(lambda run: (run(), -next(ticks))[1]):  # the later a candidate is timed, the faster
@@ -495,3 +505,271 @@ def test_launch_falls_back_on_every_compiler_rejection(monkeypatch, error):
     configs.launch("bob_q_bar", RecordingKernel(tried, reject_the_first), (1,), head_dim=128, dtype=torch.float16, length=4096, HEAD_DIM=128)
     space = configs.candidates("bob_q_bar", 128, torch.float16, 4096)
     assert tried == list(space[:2])
+
+
+# ----------------------------------------------------------------------------- lookup order; tuning only when asked
+
+ARCH_GPUS = ("Arch Test GPU A", "Arch Test GPU B")  # an architecture's tables, in lookup order
+
+
+def write_table_for(gpu, entries, capability="9.0"):
+    """A shipped table for ``gpu`` holding ``entries`` (key -> BlockConfig), recording ``capability``."""
+    tuning.write_table(tuning.table_path(gpu), gpu, {key: configs.config_tuple(c) for key, c in entries.items()},
+                       capability=capability)
+
+
+@pytest.fixture
+def architecture(folders, monkeypatch):
+    """Tables of an architecture "9.0" (A, then B) in the empty table folder of ``folders``: GPU has its own table
+    for one family (causal forward), A for two, B for three; returns (keys, space) with a key of each family at
+    4096 and the candidates of bob_q_bar there (the same for every key here)."""
+    monkeypatch.setattr(tuning, "ARCHITECTURE_TABLES", {"9.0": ARCH_GPUS})
+    keys = {name: key_at(4096, **flags) for name, flags in
+            (("own", {}), ("a", {"CAUSAL": False}), ("b", {"HAS_KEY_MASK": True}), ("none", {"PRECISION": "tf32"}))}
+    space = space_of(keys["own"])
+    write_table_for(GPU, {keys["own"]: space[1]})
+    write_table_for(ARCH_GPUS[0], {keys["own"]: space[2], keys["a"]: space[2]})
+    write_table_for(ARCH_GPUS[1], {keys["own"]: space[3], keys["a"]: space[3], keys["b"]: space[3]})
+    return keys, space
+
+
+def test_lookup_order_exact_name_then_architecture_then_default(architecture):
+    """Default settings: this GPU's own table, else its architecture's tables in ARCHITECTURE_TABLES order (the first
+    that holds the key's family), else the default; another architecture, or none known, takes no other GPU's
+    table. Nothing is timed."""
+    keys, space = architecture
+    never = lambda config: pytest.fail("a candidate was launched for timing")
+    pick = lambda name, capability="9.0", gpu=GPU: configs.pick(keys[name], space, gpu, "off", never, capability)
+    assert pick("own") == configs.Pick(space[1], "table")
+    assert pick("a") == configs.Pick(space[2], "arch_table")
+    assert pick("b") == configs.Pick(space[3], "arch_table")
+    assert pick("none") == configs.Pick(space[0], "default")
+    for capability in ("8.0", "9.4", None):  # an A100; a ROCm or unknown GPU
+        assert pick("own", capability) == configs.Pick(space[1], "table")
+        assert pick("a", capability) == configs.Pick(space[0], "default")
+    # a listed GPU's own table is its "table", not consulted a second time as an architecture table
+    assert [source for source, _ in tuning.tables_for(ARCH_GPUS[1], "9.0")] == ["table", "arch_table"]
+    assert pick("a", gpu=ARCH_GPUS[1]) == configs.Pick(space[3], "table")
+    assert pick("b", gpu=ARCH_GPUS[0]) == configs.Pick(space[3], "arch_table")
+    # a length no table lists: the nearest bucket of the first table holding the family
+    nearest = configs.pick(key_at(1 << 17, CAUSAL=False), space, GPU, "off", never, "9.0")
+    assert nearest == configs.Pick(space[2], "arch_table")
+
+
+def test_user_cache_wins_over_every_table(architecture):
+    keys, space = architecture
+    never = lambda config: pytest.fail("a candidate was launched for timing")
+    for name in ("own", "a", "none"):
+        tuning.write_cache(GPU, keys[name], configs.config_tuple(space[4]), {})
+        assert configs.pick(keys[name], space, GPU, "off", never, "9.0") == configs.Pick(space[4], "cache")
+        assert configs.pick(keys[name], space, GPU, "on", never, "9.0") == configs.Pick(space[4], "cache")
+
+
+def test_autotune_1_tunes_what_the_own_table_lacks_instead_of_taking_the_architectures(architecture):
+    """FLASHBOB_AUTOTUNE=1 asks for this GPU's own configurations: its table serves what it holds, the rest is tuned
+    (the architecture's tables are what a GPU gets without tuning)."""
+    keys, space = architecture
+    clock = FakeClock(space, fastest=5)
+    with tuning.timed_by(clock):
+        assert configs.pick(keys["own"], space, GPU, "on", clock.run, "9.0") == configs.Pick(space[1], "table")
+        assert clock.timed == []
+        assert configs.pick(keys["a"], space, GPU, "on", clock.run, "9.0") == configs.Pick(space[5], "tuned")
+    assert tuning.read_cache(GPU, keys["a"]) == configs.config_tuple(space[5])
+
+
+def test_fill_mode_tunes_what_the_cache_lacks_whatever_the_tables_hold(architecture):
+    """flashbob.tune's mode: the cache's configuration, else tuned and stored; no table is consulted."""
+    keys, space = architecture
+    clock = FakeClock(space, fastest=5)
+    tuning.write_cache(GPU, keys["a"], configs.config_tuple(space[4]), {})
+    with tuning.timed_by(clock):
+        assert configs.pick(keys["a"], space, GPU, "fill", clock.run, "9.0") == configs.Pick(space[4], "cache")
+        assert clock.timed == []
+        assert configs.pick(keys["own"], space, GPU, "fill", clock.run, "9.0") == configs.Pick(space[5], "tuned")
+    assert tuning.read_cache(GPU, keys["own"]) == configs.config_tuple(space[5])
+
+
+def test_no_architecture_tables_on_rocm(monkeypatch):
+    """ROCm GPUs report capabilities of their own (an MI250's gfx90a is 9.0): none takes an NVIDIA table."""
+    monkeypatch.setattr(configs, "_compute_capability", lambda index: (9, 0))
+    configs._architecture.cache_clear()
+    try:
+        monkeypatch.setattr(torch.version, "hip", "6.2")
+        assert configs._architecture(0) is None
+        configs._architecture.cache_clear()
+        monkeypatch.setattr(torch.version, "hip", None)
+        assert configs._architecture(0) == "9.0"
+    finally:
+        configs._architecture.cache_clear()
+
+
+def test_shipped_tables_are_listed_under_their_architecture():
+    """Every table in flashbob/kernels/tuned/ is named after the GPU it records, records that GPU's compute
+    capability and is listed under it in ARCHITECTURE_TABLES, so that other GPUs of its architecture use it; every
+    listed table that is shipped records that capability."""
+    shipped = sorted(tuning.TABLE_DIR.glob("*.json"))
+    assert shipped
+    for path in shipped:
+        header = tuning.table_header(path)
+        assert path.stem == tuning.gpu_file_name(header["gpu"]), path
+        assert header["gpu"] in tuning.ARCHITECTURE_TABLES.get(header.get("capability"), ()), path
+        assert tuning.load_table(path), path
+    for capability, gpus in tuning.ARCHITECTURE_TABLES.items():
+        for gpu in gpus:
+            path = tuning.table_path(gpu)
+            assert not path.exists() or tuning.table_header(path)["capability"] == capability
+
+
+def test_nothing_tunes_by_default_on_an_unknown_sm90_gpu(tmp_path, monkeypatch):
+    """Default settings (FLASHBOB_AUTOTUNE unset) on an sm90 GPU without a table of its own (here an "H100 PCIe" as
+    the launch sees it), an empty cache, the shipped tables: no candidate is timed; each kernel whose family the
+    H200's table holds launches that table's configuration (its nearest bucket at a length the table lacks), the
+    others their default."""
+    monkeypatch.delenv("FLASHBOB_AUTOTUNE", raising=False)
+    monkeypatch.setenv("FLASHBOB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(configs, "_PICKS", {})
+    monkeypatch.setattr(configs, "_in_interpreter", lambda: False)
+    monkeypatch.setattr(configs, "_gpu", lambda args: (None, "NVIDIA H100 PCIe", "9.0"))
+    table = tuning.load_table(tuning.table_path(tuning.ARCHITECTURE_TABLES["9.0"][0]))
+    assert table, "the H200's table is shipped"
+    first_order = {"HEAD_DIM": 128, "BLOCK_D": 128, "CAUSAL": True, "HAS_KEY_MASK": False, "PRECISION": "ieee"}
+    bob = {**first_order, "HAS_DQ_BAR": True, "HAS_DK_BAR": True, "HAS_DV_BAR": True}
+    launches = {"forward": first_order, "dq": first_order, "bob_q_bar": {**bob, "SWEEP": "bob_q_bar"}, "bob_cols": bob,
+                "delta": {"HEAD_DIM": 128, "BLOCK_D": 128}}
+    launched = []
+    kernel = RecordingKernel(launched, lambda attempt: None)
+    with tuning.timed_by(lambda run: pytest.fail("a candidate was timed")):
+        for name, constants in launches.items():
+            configs.launch(name, kernel, (1,), head_dim=128, dtype=torch.bfloat16, length=8192, **constants)
+            key = configs.tuning_key(name, 128, torch.bfloat16, 8192, constants)
+            space = configs.candidates(name, 128, torch.bfloat16, 8192)
+            allowed = [configs.config_tuple(c) for c in space] + [
+                configs.config_tuple(dataclasses.replace(c, variant=v)) for c in space for v in configs.VARIANTS[name]]
+            listed = tuning.lookup(table, key, allowed)
+            assert (listed is None) == (name == "delta"), name  # the delta kernel has one candidate, no entry
+            expected = configs.BlockConfig(*listed) if listed else space[0]
+            assert launched == [dataclasses.replace(expected, variant=None)], name  # launched once, not timed
+            launched.clear()
+            (row,) = [row for row in configs.tuned_configs() if row["kernel"] == name]
+            assert row["source"] == ("arch_table" if listed else "default"), name
+
+
+def test_tune_stores_the_picks_in_the_cache(folders, monkeypatch, capsys):
+    """flashbob.tune on a (pretend) GPU: every kernel of the reverse and forward-mode passes at the shape is tuned
+    (each candidate timed once, the fastest launched) and stored in the user's cache, whatever the shipped tables
+    hold; later launches with default settings read the cache; a second call keeps the cached picks, retune=True
+    tunes again; progress shows one line per kernel."""
+    import flashbob
+
+    monkeypatch.delenv("FLASHBOB_AUTOTUNE", raising=False)
+    monkeypatch.setattr(configs, "_in_interpreter", lambda: False)
+    monkeypatch.setattr(configs, "_gpu", lambda args: (None, GPU, "9.0"))
+    timed = []
+    ticks = itertools.count()
+
+    def clock(run):  # times nothing, launches nothing: the later a candidate comes, the faster
+        timed.append(run)
+        return -next(ticks)
+
+    shape = {"head_dim": 16, "dtype": torch.float32, "causal": True, "heads": 2, "device": "cpu"}
+    forward = configs.tuning_key("forward", 16, torch.float32, 20, {"HEAD_DIM": 16, "BLOCK_D": 16, "CAUSAL": True,
+                                                                    "HAS_KEY_MASK": False, "PRECISION": "ieee"})
+    write_table_for(GPU, {forward: configs.candidates("forward", 16, torch.float32, 20)[0]})  # not consulted
+    with tuning.timed_by(clock):
+        rows = flashbob.tune(20, **shape)
+    kernels_run = {"forward", "dq", "dkdv", "bob_scalars", "bob_q_bar", "bob_do_bar", "bob_cols", "jvp_fwd", "jvp_rows",
+                   "jvp_dq", "jvp_cols"}
+    assert {row["kernel"] for row in rows} == kernels_run and forward in {tuning.Key.from_json(row) for row in rows}
+    assert timed and capsys.readouterr().err.count("flashbob: tuning ") == len(kernels_run)
+    for row in rows:
+        key = tuning.Key.from_json(row)
+        space = configs.candidates(row["kernel"], 16, torch.float32, 20)
+        if len(space) == 1:
+            assert row["source"] == "default" and tuning.read_cache(GPU, key) is None
+        else:
+            assert row["source"] == "tuned" and configs.BlockConfig(**row["config"]) == space[-1]
+            assert tuning.read_cache(GPU, key) == configs.config_tuple(space[-1])
+            assert configs.pick(key, space, GPU, "off", None, "9.0") == configs.Pick(space[-1], "cache")
+    timed.clear()
+    with tuning.timed_by(clock):
+        again = flashbob.tune([20], **shape, progress=False)
+    assert timed == [] and {row["source"] for row in again} == {"cache"} and len(again) == len(rows)
+    with tuning.timed_by(clock):
+        retuned = flashbob.tune(20, **shape, progress=False, forward_mode=False, retune=True)
+    assert timed and {row["source"] for row in retuned} == {"tuned"}
+    assert {row["kernel"] for row in retuned} == kernels_run - {"jvp_fwd", "jvp_rows", "jvp_dq", "jvp_cols"}
+
+
+def test_tune_needs_a_gpu():
+    import flashbob
+
+    with pytest.raises(RuntimeError, match="flashbob.tune tunes on a CUDA GPU"):
+        flashbob.tune(1024, device="cpu")
+
+
+@needs_kernels
+def test_first_call_on_a_gpu_without_a_table_takes_its_architectures_table(tmp_path, monkeypatch, gen):
+    """The first fwd + bwd + BoB on a GPU that has no table of its own, with default settings and an empty cache:
+    nothing is tuned, every kernel whose family its architecture's table holds launches that table's
+    configuration, the others their default, and the results are those of the default configurations. On a GPU
+    (the GPU suite; sm90 only) the launches see a pretend sm90 name and the shipped tables serve them, at a length
+    no table lists (bf16, N = 2048: the nearest bucket); in the interpreter, a pretend sm90 GPU and an architecture
+    table made here (float64: the last candidate of each kernel, one bucket above the call's)."""
+    monkeypatch.delenv("FLASHBOB_AUTOTUNE", raising=False)
+    monkeypatch.setenv("FLASHBOB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(configs, "_PICKS", {})
+    monkeypatch.setattr(configs, "_in_interpreter", lambda: False)
+    on_gpu = KERNEL_DEVICE == "cuda"
+    real_gpu = configs._gpu
+    if on_gpu:
+        architecture = real_gpu((torch.empty(0, device="cuda"),))[2]
+        listed = tuning.ARCHITECTURE_TABLES.get(architecture, ())
+        shipped = [name for name in listed if tuning.table_path(name).exists()]
+        if not shipped:
+            pytest.skip(f"no shipped table for this GPU's architecture ({architecture})")
+        pretend = "NVIDIA Pretend GPU without a table"
+        monkeypatch.setattr(configs, "_gpu", lambda args: (*real_gpu(args)[:1], pretend, architecture))
+        n, head_dim, dtype, tolerance = 2048, 128, torch.bfloat16, 2e-2  # other tiles: other rounding
+    else:
+        architecture, pretend = "9.0", "NVIDIA Pretend GPU without a table"
+        monkeypatch.setattr(configs, "_gpu", lambda args: (None, pretend, architecture))
+        monkeypatch.setattr(tuning, "TABLE_DIR", tmp_path / "tables")
+        monkeypatch.setattr(tuning, "ARCHITECTURE_TABLES", {architecture: ("Arch Test GPU",)})
+        shipped, n, head_dim, dtype, tolerance = ["Arch Test GPU"], 40, 16, torch.float64, 1e-10
+    q, k, v, do, *bars = (x.to(KERNEL_DEVICE, dtype) for x in (
+        *attention_inputs(gen, batch=1, heads=2, kv_heads=1, n=n, m=n, head_dim=head_dim),
+        *attention_inputs(gen, batch=1, heads=2, kv_heads=1, n=n, m=n, head_dim=head_dim)[:3]))
+
+    def first_call():
+        import flashbob
+
+        q_, k_, v_ = (x.detach().requires_grad_() for x in (q, k, v))
+        o = flashbob.attention(q_, k_, v_, causal=True, backend="triton")
+        grads = torch.autograd.grad(o, (q_, k_, v_), do, create_graph=True)
+        return (o, *grads, *torch.autograd.grad(grads, (q_, k_, v_), bars))
+
+    with configs.tuning_as("defaults"):
+        expected = [x.detach() for x in first_call()]
+    if not on_gpu:  # the architecture's table: each kernel's last candidate, one bucket above the call's
+        last = lambda key: configs.candidates(key.kernel, head_dim, dtype, n)[-1]
+        entries = {dataclasses.replace(key, bucket=2 * key.bucket): last(key)
+                   for key, gpu, mode in configs._PICKS if gpu == pretend}
+        write_table_for("Arch Test GPU", entries, capability=architecture)
+    configs._PICKS.clear()
+    with tuning.timed_by(lambda run: pytest.fail("a candidate was timed")):
+        actual = first_call()
+    for name, got, wanted in zip(("o", "dq", "dk", "dv", "q_bar", "k_bar", "v_bar"), actual, expected):
+        assert torch.isfinite(got).all() and relative_error(got.detach(), wanted) < tolerance, name
+    tables = [tuning.load_table(tuning.table_path(name)) for name in shipped]
+    rows = [row for row in configs.tuned_configs() if row["gpu"] == pretend]
+    assert {row["kernel"] for row in rows} >= {"forward", "dq", "dkdv", "bob_scalars", "bob_q_bar", "bob_do_bar",
+                                               "bob_cols"}
+    for row in rows:
+        key = tuning.Key.from_json(row)
+        space = configs.candidates(key.kernel, head_dim, dtype, n)
+        allowed = [configs.config_tuple(c) for c in space] + [configs.config_tuple(dataclasses.replace(c, variant=v))
+                                                              for c in space for v in configs.VARIANTS[key.kernel]]
+        listed = next(filter(None, (tuning.lookup(table, key, allowed) for table in tables)), None)
+        assert row["source"] == ("arch_table" if listed else "default"), row
+        assert configs.BlockConfig(**row["config"]) == (configs.BlockConfig(*listed) if listed else space[0]), row
+    assert sum(row["source"] == "arch_table" for row in rows) >= 7

@@ -6,16 +6,21 @@ dtype and length (:func:`candidates`); the first one that fits is the default. A
 (kernel, head_dim, dtype, length bucket and compile-time flags; :mod:`.tuning` describes the key, the
 tables and the cache), the first of
 
-1. the configuration in this machine's tuning cache;
-2. the shipped table of this GPU: the key's own entry, else that of the nearest length bucket;
-3. when tuning is on, a tuned one: every candidate is timed, the fastest is stored in the cache;
+1. the configuration in the user's tuning cache (``$FLASHBOB_CACHE_DIR``, else ``~/.cache/flashbob``);
+2. this GPU's shipped table, found by its exact device name: the key's own entry, else that of the nearest
+   length bucket of the same kernel, head_dim, dtype and flags;
+3. the shipped tables of this GPU's architecture (compute capability ``major.minor``; sm90: the H200's
+   table, then the H100's; ``tuning.ARCHITECTURE_TABLES``), in that order, by the same rule;
 4. the default.
 
-``FLASHBOB_AUTOTUNE``: ``1`` (the default) as above; ``0`` never tunes (cache, table or default);
-``force`` tunes every key at its first launch in the process, ignoring cache and table, and stores the
-picks in the cache (benchmarks/tune_table.py); ``defaults`` uses the defaults whatever the cache and table
-hold (to time them against the tuned ones). Inside :func:`override`, and in Triton's interpreter, the
-default is used. A configuration the compiler rejects gives way to the next candidate.
+Nothing is tuned unless asked. ``FLASHBOB_AUTOTUNE``: unset or ``0`` (the default), as above;
+``1`` tunes, in place of steps 3 and 4, each key that neither the cache nor this GPU's own table holds (every
+candidate is timed at the key's first launch, the fastest stored in the cache); ``force`` tunes every key at
+its first launch in the process, ignoring cache and tables, and stores the picks in the cache
+(benchmarks/tune_table.py); ``defaults`` uses the defaults whatever the cache and tables hold (to time them
+against the tuned ones). ``flashbob.tune(...)`` (``tuning.tune``) tunes the kernels of given shapes into the
+cache. Inside :func:`override`, and in Triton's interpreter, the default is used. A configuration the
+compiler rejects gives way to the next candidate.
 
 Variants: a kernel may have code paths besides the base one (``"tma"``: tiles through tensor descriptors,
 TMA on Hopper). ``spaces.json`` names each kernel's variants and its default one, which a configuration
@@ -152,28 +157,52 @@ def override(**fields: int) -> Iterator[None]:
         _overrides.update(previous)
 
 
+_mode: str | None = None  # the tuning mode inside tuning_as(), whatever FLASHBOB_AUTOTUNE says
+MODES = {"0": "off", "1": "on", "force": "force", "defaults": "defaults"}
+
+
 def tuning_mode() -> str:
-    """``"on"``, ``"off"``, ``"force"`` or ``"defaults"`` from ``FLASHBOB_AUTOTUNE`` (``1``, ``0``, ``force``,
-    ``defaults``; unset is ``1``; this module's docstring says what each does); ``"defaults"`` inside
-    :func:`override` and in Triton's interpreter."""
-    value = os.environ.get("FLASHBOB_AUTOTUNE", "1")
-    modes = {"1": "on", "0": "off", "force": "force", "defaults": "defaults"}
-    if value not in modes:
+    """``"off"``, ``"on"``, ``"force"`` or ``"defaults"`` from ``FLASHBOB_AUTOTUNE`` (``0``, ``1``, ``force``,
+    ``defaults``; unset or empty is ``0``: no tuning; this module's docstring says what each does), or the mode
+    of :func:`tuning_as` (which may also be ``"fill"``); ``"defaults"`` inside :func:`override` and in Triton's
+    interpreter."""
+    value = os.environ.get("FLASHBOB_AUTOTUNE") or "0"
+    if value not in MODES:
         raise ValueError(f"FLASHBOB_AUTOTUNE must be 1, 0, force or defaults; got {value!r}")
-    if _overrides or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if _overrides or _in_interpreter():
         return "defaults"
-    return modes[value]
+    return _mode or MODES[value]
+
+
+def _in_interpreter() -> bool:
+    """Whether the kernels run in Triton's interpreter, where timing them means nothing."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@contextlib.contextmanager
+def tuning_as(mode: str) -> Iterator[None]:
+    """Launches inside the ``with`` block pick their configuration in tuning ``mode`` (:func:`tuning_mode`'s
+    values, or ``"fill"``: the cache's configuration, else tune and store it; the tables are not consulted),
+    whatever ``FLASHBOB_AUTOTUNE`` says (:func:`override` and the interpreter still give the defaults)."""
+    if mode not in (*MODES.values(), "fill"):
+        raise ValueError(f"unknown tuning mode {mode!r}")
+    global _mode
+    previous, _mode = _mode, mode
+    try:
+        yield
+    finally:
+        _mode = previous
 
 
 def autotune_enabled() -> bool:
-    """Whether a launch may tune (:func:`tuning_mode` is ``"on"`` or ``"force"``)."""
-    return tuning_mode() in ("on", "force")
+    """Whether a launch may tune (:func:`tuning_mode` is ``"on"``, ``"force"`` or ``"fill"``)."""
+    return tuning_mode() in ("on", "force", "fill")
 
 
 @dataclasses.dataclass(frozen=True)
 class Pick:
-    """The configuration a key is launched with, and where it came from: ``"cache"``, ``"table"``, ``"tuned"``
-    or ``"default"``."""
+    """The configuration a key is launched with, and where it came from: ``"cache"``, ``"table"`` (this GPU's),
+    ``"arch_table"`` (its architecture's), ``"tuned"`` or ``"default"``."""
 
     config: BlockConfig
     source: str
@@ -203,26 +232,31 @@ def config_tuple(config: BlockConfig) -> tuning.Config:
 
 
 def pick(key: tuning.Key, space: tuple[BlockConfig, ...], gpu: str | None, mode: str,
-         run: Callable[[BlockConfig], None]) -> Pick:
+         run: Callable[[BlockConfig], None], capability: str | None = None) -> Pick:
     """The configuration of a launch with ``key`` among the candidates ``space`` on ``gpu`` (None: not a GPU,
-    only the default) in tuning ``mode`` (:func:`tuning_mode`), by the order of this module's docstring;
-    ``run(config)`` launches the kernel, for tuning. A cache or table entry may also name a candidate's
-    variant; tuning times the candidates in the kernel's default variant."""
+    only the default) of compute capability ``capability`` (``"9.0"``; None: unknown, no architecture table)
+    in tuning ``mode`` (:func:`tuning_mode`), by the order of this module's docstring; ``run(config)``
+    launches the kernel, for tuning. A cache or table entry may also name a candidate's variant; tuning times
+    the candidates in the kernel's default variant."""
     tuned = [config_tuple(config) for config in space]
     allowed = tuned + [config_tuple(dataclasses.replace(config, variant=variant)) for config in space
                        for variant in VARIANTS.get(key.kernel, ("base",))]
-    if gpu is not None and mode in ("on", "off"):
+    if gpu is None or mode == "defaults":
+        return Pick(space[0], "default")
+    if mode in ("on", "off", "fill"):
         cached = tuning.read_cache(gpu, key)
         if cached in allowed:
             return Pick(BlockConfig(*cached), "cache")
         if cached is not None:
             warnings.warn(f"flashbob: ignoring the tuning cache file {tuning.cache_path(gpu, key)}: its configuration "
                           f"{list(cached)} is not a candidate of {key.describe()}", RuntimeWarning, stacklevel=2)
-        listed = tuning.lookup(tuning.load_table(tuning.table_path(gpu)), key, allowed)
+    tables = tuning.tables_for(gpu, capability) if mode in ("on", "off") else []
+    for source, path in tables[:1] if mode == "on" else tables:  # "on" tunes what this GPU's own table lacks
+        listed = tuning.lookup(tuning.load_table(path), key, allowed)
         if listed is not None:
-            return Pick(BlockConfig(*listed), "table")
-    if gpu is not None and mode in ("on", "force") and len(space) > 1:
-        best, timings = tuning.tune(key, tuned, lambda config: run(BlockConfig(*config)))
+            return Pick(BlockConfig(*listed), source)
+    if mode in ("on", "force", "fill") and len(space) > 1:
+        best, timings = tuning.tune_key(key, tuned, lambda config: run(BlockConfig(*config)))
         tuning.write_cache(gpu, key, best, timings)
         return Pick(BlockConfig(*best), "tuned")
     return Pick(space[0], "default")
@@ -237,16 +271,16 @@ def launch(kernel: str, jit_fn, grid, *args, head_dim: int, dtype: torch.dtype, 
     A kernel with variants also takes ``TMA``; ``descriptors`` are the operands that its ``"tma"`` variant
     addresses through tensor descriptors (:func:`variant_for`). Triton launches on the current device: on
     another GPU than the operands', the launch (and any tuning) runs with theirs made current."""
-    index, gpu = _gpu(args)
+    index, gpu, capability = _gpu(args)
     if index is not None and index != torch.cuda.current_device():
         with torch.cuda.device(index):
-            _launch(kernel, jit_fn, grid, args, head_dim, dtype, length, descriptors, constants, gpu)
+            _launch(kernel, jit_fn, grid, args, head_dim, dtype, length, descriptors, constants, gpu, capability)
     else:
-        _launch(kernel, jit_fn, grid, args, head_dim, dtype, length, descriptors, constants, gpu)
+        _launch(kernel, jit_fn, grid, args, head_dim, dtype, length, descriptors, constants, gpu, capability)
 
 
 def _launch(kernel: str, jit_fn, grid, args: tuple, head_dim: int, dtype: torch.dtype, length: int,
-            descriptors: tuple[torch.Tensor, ...], constants: dict, gpu: str | None) -> None:
+            descriptors: tuple[torch.Tensor, ...], constants: dict, gpu: str | None, capability: str | None) -> None:
     run = functools.partial(_run, kernel, jit_fn, grid, args, constants, descriptors=descriptors)
     if _overrides:
         run(choose(kernel, head_dim, dtype, length))
@@ -255,7 +289,7 @@ def _launch(kernel: str, jit_fn, grid, args: tuple, head_dim: int, dtype: torch.
     space = candidates(kernel, head_dim, dtype, length)
     memo = (key, gpu, tuning_mode())
     if memo not in _PICKS:
-        _PICKS[memo] = pick(key, space, *memo[1:], run=run)
+        _PICKS[memo] = pick(key, space, *memo[1:], run=run, capability=capability)
     chosen = _PICKS[memo]
     for config in _fallback_order(chosen.config, space):
         try:
@@ -345,14 +379,15 @@ def _run(kernel: str, jit_fn, grid, args: tuple, constants: dict, config: BlockC
                  num_stages=config.num_stages)
 
 
-def _gpu(args: tuple) -> tuple[int | None, str | None]:
-    """The index and name of the GPU that holds the first tensor of ``args``; ``(None, None)`` if it is not on a
-    GPU. One lookup per launch: the index picks the device to launch on, the name the configuration."""
+def _gpu(args: tuple) -> tuple[int | None, str | None, str | None]:
+    """The index, name and architecture (:func:`_architecture`) of the GPU that holds the first tensor of
+    ``args``; ``(None, None, None)`` if it is not on a GPU. One lookup per launch: the index picks the device to
+    launch on, the name and architecture the configuration."""
     device = next((x.device for x in args if isinstance(x, torch.Tensor)), None)
     if device is None or device.type != "cuda":
-        return None, None
+        return None, None, None
     index = torch.cuda.current_device() if device.index is None else device.index
-    return index, _device_name(index)
+    return index, _device_name(index), _architecture(index)
 
 
 def _ensure_allocator() -> None:
@@ -374,6 +409,15 @@ def _device_name(index: int) -> str:
 @functools.cache
 def _compute_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
+
+
+@functools.cache
+def _architecture(index: int) -> str | None:
+    """The compute capability of GPU ``index`` as ``"major.minor"`` (``"9.0"``: Hopper), which picks the
+    architecture's tables; None on ROCm, whose capabilities (gfx90a reports 9.0) name no NVIDIA architecture."""
+    if torch.version.hip is not None:
+        return None
+    return tuning.capability_name(_compute_capability(index))
 
 
 def tuned_configs() -> list[dict]:

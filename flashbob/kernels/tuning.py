@@ -1,30 +1,48 @@
-"""Where a kernel's launch configuration comes from: a tuned table shipped per GPU, a tuning cache on disk,
-and a small tuner for what neither holds.
+"""Where a kernel's launch configuration comes from: tuned tables shipped per GPU, the user's tuning cache on
+disk, and the tuner that fills the cache when asked (:func:`tune`, ``FLASHBOB_AUTOTUNE=1``).
 
 A configuration is tuned per *key*: the kernel, head_dim, dtype, length bucket (the sequence length rounded
 up to a power of two) and the values of the kernel's compile-time flags (causal, which cotangents or tangents
 are present, key mask, dot precision; head_dim fixes the others).
 
+**Lookup order** (``configs.pick`` applies it; with default settings nothing is ever tuned):
+
+1. the user's tuning cache (below), where it holds the key;
+2. the table of this GPU, found by its exact name (``torch.cuda.get_device_name()``);
+3. the tables of its architecture, found by compute capability ``major.minor``
+   (:data:`ARCHITECTURE_TABLES`; sm90, e.g. an H100 PCIe, H100 NVL, H800 or GH200: the H200's table, then the
+   H100's); not on ROCm, whose capabilities do not name NVIDIA architectures;
+4. the kernel's built-in default (the first candidate of ``spaces.json`` that fits).
+
+A table serves a key if it has an entry of the same kernel, head_dim, dtype and flags (a *family*): the
+key's own length bucket, else the *nearest bucket* (nearest in ``log2`` of the length, the longer bucket on
+a tie, among the entries whose configuration is a candidate at this length). So a length that no table
+lists takes its neighbour's configuration without tuning, and the first table in the order above that
+holds the family wins. ``FLASHBOB_AUTOTUNE=1`` tunes, instead of steps 3 and 4, what neither the cache nor
+this GPU's own table holds; ``configs.py`` describes every setting.
+
 **Shipped tables.** ``flashbob/kernels/tuned/<GPU>.json``, one file per GPU model, named after
 ``torch.cuda.get_device_name()`` with every run of characters other than letters and digits turned into
-``_`` (``NVIDIA H200`` -> ``NVIDIA_H200.json``); ``benchmarks/tune_table.py`` writes them. A key the table
-holds exactly is used as it is. A length outside the table's buckets takes the entry of the *nearest bucket*
-of the same kernel, head_dim, dtype and flags: nearest in ``log2`` of the length, the longer bucket on a tie,
-among the entries whose configuration is a candidate at this length (blocks no longer than the bucket).
+``_`` (``NVIDIA H200`` -> ``NVIDIA_H200.json``, ``NVIDIA H100 80GB HBM3`` -> ``NVIDIA_H100_80GB_HBM3.json``);
+each records the compute capability of its GPU. ``benchmarks/tune_table.py`` writes them.
 
 **Tuning cache.** One JSON file per key under ``<cache>/tuning/<GPU>/triton-<version>/``, where ``<cache>``
-is ``$FLASHBOB_CACHE_DIR``, else ``$XDG_CACHE_HOME/flashbob``, else ``~/.cache/flashbob``. A file is written
-to a temporary name in the same folder and moved into place with ``os.replace``, which is atomic: a reader
-sees a whole old file or a whole new one, and processes that tune the same key at once each leave a whole,
-valid file (the last one wins). One file per key means that no writer has to merge with another, so no lock
-is needed (none to go stale after a crash, none that a network file system would not honour). A file that
-cannot be read or does not hold its key is ignored with a warning, and rewritten when the key is tuned again.
+is ``$FLASHBOB_CACHE_DIR``, else ``$XDG_CACHE_HOME/flashbob``, else ``~/.cache/flashbob``; :func:`tune`
+(``flashbob.tune``) and ``FLASHBOB_AUTOTUNE=1`` write it, and what it holds wins over every table. A file is
+written to a temporary name in the same folder and moved into place with ``os.replace``, which is atomic: a
+reader sees a whole old file or a whole new one, and processes that tune the same key at once each leave a
+whole, valid file (the last one wins). One file per key means that no writer has to merge with another, so
+no lock is needed (none to go stale after a crash, none that a network file system would not honour). A
+file that cannot be read or does not hold its key is ignored with a warning, and rewritten when the key is
+tuned again.
 
-**Tuner.** :func:`tune` times each candidate with :func:`benchmark` (``triton.testing.do_bench``, median)
-and keeps the fastest; candidates the compiler rejects (out of shared memory or registers) are skipped. It
-prints one line per kernel it tunes to stderr. Every kernel writes each output element once, from inputs it
-does not write, with no atomics: timing the candidates on the launch's own buffers needs no reset, and the
-caller launches the pick once more so that the outputs are the pick's.
+**Tuner.** :func:`tune_key` times each candidate with :func:`benchmark` (``triton.testing.do_bench``,
+median) and keeps the fastest; candidates the compiler rejects (out of shared memory or registers) are
+skipped. It reports one line per kernel it tunes on stderr (through the progress bar of :func:`tune`, if
+one is shown). Every kernel writes each output element once, from inputs it does not write, with no
+atomics: timing the candidates on the launch's own buffers needs no reset, and the caller launches the pick
+once more so that the outputs are the pick's. :func:`tune` runs the kernels of a Hessian-vector product at
+the shapes it is given with tuning on, so that each key is tuned once and stored in the cache.
 """
 
 from __future__ import annotations
@@ -52,6 +70,13 @@ from triton.runtime.errors import OutOfResources, PTXASError
 
 #: The folder of the shipped tables, one ``<GPU>.json`` each.
 TABLE_DIR = Path(__file__).with_name("tuned")
+#: The shipped tables that a GPU without a table of its own uses, per compute capability ``"major.minor"``, in
+#: the order they are consulted (the first that holds a key's family serves it). Every shipped table records
+#: its GPU's capability and is listed here under it (``tests/test_tuning.py`` checks this); a name whose
+#: table is not shipped is skipped.
+ARCHITECTURE_TABLES: dict[str, tuple[str, ...]] = {
+    "9.0": ("NVIDIA H200", "NVIDIA H100 80GB HBM3"),  # Hopper (sm90)
+}
 #: Compiler errors that rule a candidate out (the ones ``triton.autotune`` skips too).
 REJECTED = (OutOfResources, CompileTimeAssertionFailure, PTXASError)
 
@@ -138,6 +163,37 @@ def table_path(gpu: str) -> Path:
     return TABLE_DIR / f"{gpu_file_name(gpu)}.json"
 
 
+def capability_name(capability: tuple[int, int]) -> str:
+    """A compute capability as :data:`ARCHITECTURE_TABLES` and the tables' headers write it: ``(9, 0)`` -> ``"9.0"``."""
+    major, minor = capability
+    return f"{major}.{minor}"
+
+
+def tables_for(gpu: str, capability: str | None) -> list[tuple[str, Path]]:
+    """The shipped tables that serve ``gpu`` (of compute capability ``capability``, ``"9.0"``; None: unknown),
+    in lookup order, each with the source name that a pick from it reports: its own (``"table"``), then those
+    of its architecture (``"arch_table"``, :data:`ARCHITECTURE_TABLES`, without its own)."""
+    own = table_path(gpu)
+    chain = [("table", own)]
+    for name in ARCHITECTURE_TABLES.get(capability, ()) if capability is not None else ():
+        path = table_path(name)
+        if path != own:
+            chain.append(("arch_table", path))
+    return chain
+
+
+@functools.cache
+def table_header(path: Path) -> dict:
+    """The metadata of the table at ``path`` (everything but its entries; empty if there is none)."""
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as error:
+        raise ValueError(f"the tuned table {path} is malformed: {error!r}") from error
+    return {name: value for name, value in data.items() if name != "entries"}
+
+
 def lookup(table: dict[Key, Config], key: Key, allowed: Sequence[Config]) -> Config | None:
     """The table's configuration for ``key``: its own entry, else that of the nearest bucket of the same
     kernel, head_dim, dtype and flags (nearest in ``log2`` of the length, the longer on a tie); only
@@ -157,6 +213,7 @@ def write_table(path: Path, gpu: str, entries: dict[Key, Config], **metadata: An
     header = "".join(f" {json.dumps(name)}: {json.dumps(value)},\n" for name, value in {"gpu": gpu, **metadata}.items())
     write_json(path, "{\n" + header + ' "entries": [\n  ' + ",\n  ".join(lines) + "\n ]\n}\n")
     load_table.cache_clear()
+    table_header.cache_clear()
 
 
 # ----------------------------------------------------------------------------- tuning cache
@@ -252,12 +309,13 @@ def timed_by(timer: Callable[[Callable[[], None]], float]) -> Iterator[None]:
         _timer = previous
 
 
-def tune(key: Key, candidates: Sequence[Config], run: Callable[[Config], None]) -> tuple[Config, dict[Config, float]]:
+def tune_key(key: Key, candidates: Sequence[Config],
+             run: Callable[[Config], None]) -> tuple[Config, dict[Config, float]]:
     """The fastest of ``candidates`` for ``key`` and each one's time in ms: ``run(config)`` launches the
-    kernel with ``config``; candidates the compiler rejects are skipped (:data:`REJECTED`). Prints one line
-    to stderr. Raises the last rejection if every candidate is rejected."""
+    kernel with ``config``; candidates the compiler rejects are skipped (:data:`REJECTED`). Reports one line
+    (stderr, or the progress bar of :func:`tune`). Raises the last rejection if every candidate is rejected."""
     start = time.perf_counter()
-    print(f"flashbob: tuning {key.describe()} over {len(candidates)} configs ...", end="", file=sys.stderr, flush=True)
+    _report_start(f"flashbob: tuning {key.describe()} over {len(candidates)} configs ...")
     timings, rejection = {}, None
     for config in candidates:
         try:
@@ -265,10 +323,155 @@ def tune(key: Key, candidates: Sequence[Config], run: Callable[[Config], None]) 
         except REJECTED as error:
             rejection = error
     if not timings:
-        print(" every config was rejected", file=sys.stderr, flush=True)
+        _report_end(" every config was rejected")
         raise rejection
     best = min(timings, key=timings.get)
-    block_m, block_n, num_warps, num_stages = best
-    print(f" BLOCK_M={block_m} BLOCK_N={block_n} num_warps={num_warps} num_stages={num_stages}: {timings[best]:.3f} ms "
-          f"(tuned in {time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
+    block_m, block_n, num_warps, num_stages = best[:4]
+    _report_end(f" BLOCK_M={block_m} BLOCK_N={block_n} num_warps={num_warps} num_stages={num_stages}: "
+                f"{timings[best]:.3f} ms (tuned in {time.perf_counter() - start:.1f} s)")
     return best, timings
+
+
+_bar = None  # the progress bar of tune(), if it shows one: the tuner's lines go through it
+_line = ""  # the start of the line being reported while a bar is shown
+
+
+def _report_start(text: str) -> None:
+    global _line
+    if _bar is None:
+        print(text, end="", file=sys.stderr, flush=True)
+    else:
+        _line = text
+        _bar.set_postfix_str(text.removeprefix("flashbob: tuning ").split(" (")[0], refresh=True)
+
+
+def _report_end(text: str) -> None:
+    if _bar is None:
+        print(text, file=sys.stderr, flush=True)
+    else:
+        _bar.write(_line + text, file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- tuning for given shapes
+
+#: The groups of kernels that one Hessian-vector product launches: the forward and backward, BoB's four
+#: sweeps, and the forward-mode kernels (forward-over-reverse).
+PARTS = ("first_order", "bob", "forward_mode")
+
+
+def run_hvp_kernels(head_dim: int, dtype: Any, causal: bool, length: int, heads: int, *, batch: int = 1,
+                    parts: Sequence[str] = PARTS, mode: str = "force", device: Any = "cuda") -> None:
+    """Launch, once, every kernel that one Hessian-vector product runs at this shape (inputs ``(batch,
+    heads, length, head_dim)`` of ``dtype``, a ``torch.dtype`` or its name) in reverse mode (forward,
+    backward, BoB with all three cotangents) and in forward mode (``forward_jvp``, ``backward_jvp`` with every
+    tangent). The kernels of ``parts`` (:data:`PARTS`) launch in tuning ``mode`` (``configs.tuning_as``:
+    ``"force"`` tunes each, ``"fill"`` each that the cache lacks), the others with their defaults."""
+    import torch
+
+    from flashbob import kernels
+
+    from . import configs
+
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    generator = torch.Generator(device=device).manual_seed(0)
+    tensor = lambda: torch.randn(batch, heads, length, head_dim, device=device, dtype=dtype, generator=generator)
+    q, k, v, do, q_bar, k_bar, v_bar, q_dot, k_dot, v_dot, do_dot = (tensor() for _ in range(11))
+    options = {"causal": causal, "scale": head_dim**-0.5}
+    launch_mode = lambda part: configs.tuning_as(mode if part in parts else "defaults")
+    with launch_mode("first_order"):
+        o, stats = kernels.forward(q, k, v, **options)
+        _, _, _, delta = kernels.backward(q, k, v, o, stats, do, **options)
+    with launch_mode("bob"):
+        kernels.bob(q, k, v, do, o, stats, delta, q_bar, k_bar, v_bar, **options)
+    with launch_mode("forward_mode"):
+        kernels.forward_jvp(q, k, v, o, stats, q_dot, k_dot, v_dot, **options)
+        kernels.backward_jvp(q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, **options)
+    if q.is_cuda:
+        torch.cuda.synchronize(q.device)
+
+
+def _as_tuple(value: Any) -> tuple:
+    return tuple(value) if isinstance(value, (list, tuple, set, frozenset, range)) else (value,)
+
+
+def tune(lengths: int | Sequence[int], *, head_dim: int | Sequence[int] = 128, dtype: Any = "bfloat16",
+         causal: bool | Sequence[bool] = (False, True), heads: int = 16, batch: int = 1, forward_mode: bool = True,
+         retune: bool = False, device: Any = None, progress: bool = True) -> list[dict]:
+    """Tune the launch configurations of every kernel of attention, its backward, BoB and (``forward_mode``)
+    the forward-mode kernels on this GPU for the given shapes, and store them in the tuning cache
+    (``$FLASHBOB_CACHE_DIR``, else ``$XDG_CACHE_HOME/flashbob``, else ``~/.cache/flashbob``), which every later
+    launch on this GPU model reads first. Nothing else ever tunes, unless ``FLASHBOB_AUTOTUNE=1``.
+
+    Each combination of ``lengths``, ``head_dim``, ``dtype`` and ``causal`` (each a value or a sequence of
+    them) is one shape, ``(batch, heads, length, head_dim)``; a key is tuned per length bucket (the next power
+    of two), and lengths between the tuned ones take the nearest tuned bucket. Keys the cache already holds
+    are kept unless ``retune``; the GPU's shipped tables are not consulted (what is tuned here wins over
+    them). Shows a progress bar over the shapes (``tqdm``, if installed and ``progress``) and one line per
+    kernel tuned; each kernel takes seconds to a minute, most of it compiling the candidates the first time.
+
+    Example::
+
+        flashbob.tune([4096, 16384], head_dim=128, dtype=torch.bfloat16, causal=True)
+
+    Args:
+        device: the CUDA device to tune on (default: the current one); the cache is per GPU model.
+
+    Returns:
+        One row per key launched: kernel, head_dim, dtype, bucket, flags, gpu, config (block_m, block_n,
+        num_warps, num_stages, variant) and source (``"tuned"`` now, ``"cache"`` kept from before,
+        ``"default"`` for a kernel with one candidate).
+
+    Raises:
+        RuntimeError: there is no CUDA GPU (or ``device`` is not one).
+    """
+    import torch
+
+    from . import configs
+
+    device = torch.device("cuda" if device is None else device)
+    index, gpu, _ = configs._gpu((torch.empty(0, device=device),))
+    if gpu is None:
+        raise RuntimeError(f"flashbob.tune tunes on a CUDA GPU; {device} is not one")
+    dtypes = [getattr(torch, d) if isinstance(d, str) else d for d in _as_tuple(dtype)]
+    shapes = [(d, dt, bool(c), int(n)) for d in _as_tuple(head_dim) for dt in dtypes for c in _as_tuple(causal)
+              for n in _as_tuple(lengths)]
+    parts = PARTS if forward_mode else PARTS[:2]
+    mode = "force" if retune else "fill"
+    for memo in [memo for memo in configs._PICKS if memo[1] == gpu and memo[2] in ("fill", "force")]:
+        del configs._PICKS[memo]  # so that an earlier call's picks are not reused: cached ones are read again
+    global _bar
+    bar = _progress_bar(len(shapes)) if progress else None
+    _bar = bar
+    try:
+        with torch.cuda.device(index) if index is not None else contextlib.nullcontext():
+            for d, dt, c, n in shapes:
+                shape = f"head_dim {d}, {str(dt).removeprefix('torch.')}, causal={int(c)}, N={n}"
+                if bar is None and progress:
+                    print(f"flashbob.tune: {shape}", file=sys.stderr, flush=True)
+                elif bar is not None:
+                    bar.set_description_str(f"flashbob.tune {shape}")
+                run_hvp_kernels(d, dt, c, n, heads, batch=batch, parts=parts, mode=mode, device=device)
+                if bar is not None:
+                    bar.update()
+    finally:
+        _bar = None
+        if bar is not None:
+            bar.close()
+    wanted = {(d, str(dt).removeprefix("torch."), bucket(n)) for d, dt, _, n in shapes}
+    launched = {memo: chosen for memo, chosen in configs._PICKS.items()
+                if memo[1] == gpu and memo[2] == mode and (memo[0].head_dim, memo[0].dtype, memo[0].bucket) in wanted}
+    keys = {key for key, _, _ in launched}
+    for memo in list(configs._PICKS):  # this process's other picks of these keys read the cache again
+        if memo[0] in keys and memo[1] == gpu and memo[2] != mode:
+            del configs._PICKS[memo]
+    return [{**key.to_json(), "gpu": gpu, "config": dataclasses.asdict(chosen.config), "source": chosen.source}
+            for (key, _, _), chosen in launched.items()]
+
+
+def _progress_bar(total: int):
+    """A ``tqdm`` bar over ``total`` shapes on stderr, or None if ``tqdm`` is not installed."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="shape", file=sys.stderr, dynamic_ncols=True)
