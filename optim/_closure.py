@@ -9,7 +9,7 @@ import numbers
 import operator
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from optim import compiled
 from optim import distributed as _dist
 from optim.curvature import (
     CrossEntropyHessian,
@@ -200,7 +201,7 @@ class SecondOrderOptimizer(Optimizer):
         """The closure evaluated with its graph, its loss averaged over the ranks (also ``stats["loss"]``), and
         whether that loss is finite; a non-finite one is reported with :func:`warn_skipped` (the step is then skipped).
         """
-        result = evaluate(closure, self._owner)
+        result = evaluate(closure, self._owner, eager=self.differentiates_twice())
         loss = _dist.average_loss(result.loss.detach(), self.group)
         self.stats["loss"] = float(loss)  # the step's one host synchronisation for the loss
         finite = math.isfinite(self.stats["loss"])
@@ -246,8 +247,10 @@ def parse(result: Any, owner: str) -> ClosureResult:
     return parsed
 
 
-def evaluate(closure: Closure | None, owner: str, *, graph: bool = True) -> ClosureResult:
-    """Call ``closure`` under ``torch.enable_grad()`` (or ``torch.no_grad()`` when ``graph`` is false) and parse it.
+def evaluate(closure: Closure | None, owner: str, *, graph: bool = True, eager: bool = False) -> ClosureResult:
+    """Call ``closure`` under ``torch.enable_grad()`` (or ``torch.no_grad()`` when ``graph`` is false) and parse it;
+    with ``eager`` (a graph that will be differentiated twice) ``torch.compile``'d code in it runs its Python code
+    (:func:`optim.compiled.eager`).
 
     Raises:
         RuntimeError: ``closure`` is ``None``, or ``graph`` is true and the loss has no autograd graph.
@@ -255,7 +258,7 @@ def evaluate(closure: Closure | None, owner: str, *, graph: bool = True) -> Clos
     """
     if closure is None:
         raise RuntimeError(f"{owner}.step needs a closure: opt.step(closure), where {CLOSURE_CONTRACT}")
-    with torch.enable_grad() if graph else torch.no_grad():
+    with torch.enable_grad() if graph else torch.no_grad(), compiled.eager() if eager else nullcontext():
         result = parse(closure(), owner)
     if graph:
         check_graph(result, owner)
@@ -273,9 +276,11 @@ def check_graph(result: ClosureResult, owner: str) -> None:
 
 @contextmanager
 def graph_errors(owner: str):
-    """Re-raise autograd's 'backward through the graph a second time' naming its likely cause."""
+    """Re-raise autograd's 'backward through the graph a second time' naming its likely cause, and PyTorch's errors for
+    a ``torch.compile``'d graph differentiated twice naming torch.compile (:func:`optim.compiled.explained`)."""
     try:
-        yield
+        with compiled.explained(owner):
+            yield
     except RuntimeError as error:
         if "second time" in str(error):
             raise RuntimeError(f"{owner}: the closure's graph was already freed; {CLOSURE_CONTRACT}") from error

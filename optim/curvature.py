@@ -18,6 +18,7 @@ import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from optim import compiled
 from optim._tangent_products import LeanLinearTangents
 from optim.swap import swapped
 
@@ -68,17 +69,9 @@ def _vjp(
     if not pairs or not active:
         return tuple(torch.zeros_like(x) for x in inputs)
     ys, cs = zip(*pairs)
-    grads = iter(
-        torch.autograd.grad(
-            ys,
-            active,
-            cs,
-            retain_graph=retain_graph,
-            create_graph=create_graph,
-            allow_unused=True,
-            materialize_grads=True,
-        )
-    )
+    with compiled.explained("optim"):
+        grads = iter(torch.autograd.grad(ys, active, cs, retain_graph=retain_graph, create_graph=create_graph,
+                                         allow_unused=True, materialize_grads=True))
     return tuple(next(grads) if x.requires_grad else torch.zeros_like(x) for x in inputs)
 
 
@@ -127,8 +120,9 @@ def functional(
     ``functional(model, fn, params)(values)`` runs ``fn()`` with ``values[i]`` in place of
     ``params[i]`` inside ``model`` (by :func:`optim.swap.swapped`: tied parameters stay tied, a
     submodule registered more than once is swapped once, buffers are the module's own) and returns what
-    ``fn`` returns; the module holds its own parameters again afterwards. This is the form ``mode="forward"`` needs: it runs the model again with tangents
-    attached to the values. ``fn`` must be deterministic (no dropout) for the products to be those of
+    ``fn`` returns; the module holds its own parameters again afterwards. ``torch.compile``'d code in
+    ``fn`` runs eagerly (:mod:`optim.compiled`): a compiled graph cannot be differentiated twice. This
+    is the form ``mode="forward"`` needs: it runs the model again with tangents attached to the values. ``fn`` must be deterministic (no dropout) for the products to be those of
     one matrix, and must reach the parameters through ``module``: a tensor it captured before
     (``w = model.weight; lambda: f(x @ w)``) is not replaced, so its derivatives would be zero. The first
     call with other values, per module and per place in the code that makes ``fn``, runs ``fn`` under a
@@ -168,7 +162,7 @@ def functional(
         if len(values) != len(keys):
             raise ValueError(f"expected {len(keys)} values, one per parameter, got {len(values)}")
         replaced = [p for p, value in zip(params, values) if value is not p]
-        with swapped(module, dict(zip(keys, values))):
+        with swapped(module, dict(zip(keys, values))), compiled.eager():
             if not replaced or site in _WATCHED.get(module, ()):
                 return fn()
             with _ParameterWatch(replaced) as watch:  # a mode: host time on every torch call, hence once

@@ -427,8 +427,8 @@ class NewtonCG(_closure.SecondOrderOptimizer):
                 if mode == "forward":
                     loss_fn = functional(self.module, lambda: _closure.parse(call(), "NewtonCG").loss, params)
                     return HessianOperator(loss_fn, params, mode="forward"), grads
-                return HessianOperator(_closure.evaluate(call, "NewtonCG").loss, params), grads
-            evaluated = result if rows is None else _closure.evaluate(call, "NewtonCG")
+                return HessianOperator(_closure.evaluate(call, "NewtonCG", eager=True).loss, params), grads
+            evaluated = result if rows is None else _closure.evaluate(call, "NewtonCG", eager=mode == "reverse")
             if evaluated.outputs is None:
                 raise RuntimeError("NewtonCG: the closure returned no outputs for its curvature rows, closure(rows)")
             loss_hessian = _closure.loss_hessian_for(self.loss_hessian, evaluated)

@@ -239,7 +239,7 @@ class _Sophia(_closure.SecondOrderOptimizer):
         parameters it does not reach (skipped, as ``torch.optim`` skips one without a gradient), and for the
         reached ones whether each is due (none unless ``refresh``), the gradient and, on a refresh step,
         :math:`\\hat h`; rank averages."""
-        result = _closure.evaluate(closure, self._owner)
+        result = _closure.evaluate(closure, self._owner, eager=self.differentiates_twice())
         loss = _dist.average_loss(result.loss.detach(), self.group)
         params, groups, unreached = self._reached(result.loss, params, groups)
         due = self._due(params, groups) if refresh else [False] * len(params)
@@ -568,7 +568,7 @@ class SophiaH(_Sophia):
 
     def _diagonal(self, call, params, groups):
         if self.mode == "reverse":
-            operator = self._reverse_operator(_closure.evaluate(call, self._owner).loss, params)
+            operator = self._reverse_operator(_closure.evaluate(call, self._owner, eager=True).loss, params)
         else:
             operator = self._forward_operator(call, params)
         return self._hutchinson(operator, groups)[1]
