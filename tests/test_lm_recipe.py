@@ -307,6 +307,22 @@ def test_second_order_optimizers_train(name, tmp_path):
     assert any(key.startswith("optimizer/") for key in rows[-1])
 
 
+@pytest.mark.parametrize("name", ["adamw", "sophiah"])
+def test_a_compiled_model_trains_as_the_eager_one(name, tmp_path):
+    """``train.compile=true``: the first-order passes run the compiled model and SophiaH's refresh steps run it
+    eagerly (torch.compile cannot differentiate twice); the losses are those of the eager model."""
+    runs = {}
+    for compiled in (False, True):
+        out = tmp_path / str(compiled)
+        train(LM.config(out, f"optimizer.name={name}", "optimizer.lr=1e-3", "train.steps=3", "model.n_layers=1",
+                        f"train.compile={str(compiled).lower()}", "optimizer.kwargs={update_period: 2}"
+                        if name == "sophiah" else "train.eval_interval=3"))
+        runs[compiled] = [row["train/loss"] for row in read_jsonl(out / "tiny" / "metrics.jsonl")
+                          if "train/loss" in row]
+    assert len(runs[True]) == 3
+    np.testing.assert_allclose(runs[True], runs[False], rtol=1e-4)
+
+
 def test_optimizer_weight_decay_in_kwargs_and_a_zero_width_mlp_are_refused():
     """A weight_decay among the constructor's kwargs was stored as its default and then overridden by the
     recipe's parameter groups (0.1 and 0.0), so it had no effect; an mlp_ratio that rounds the hidden width to 0

@@ -100,6 +100,8 @@ class TrainConfig(configs.TrainConfig):
     grad_accum_steps: int = 1  # micro-batches per step (first-order optimizers only)
     eval_interval: int = 50  # steps between validation losses (and at the last step)
     eval_batches: int = 4  # fixed validation batches per evaluation
+    compile: bool = False  # torch.compile the model for the passes differentiated once (the optimizers run the
+    # passes they differentiate twice eagerly: torch.compile cannot differentiate a compiled graph twice)
 
 
 @dataclass
@@ -300,7 +302,8 @@ def build(cfg: DictConfig, device: torch.device, autocast: Autocast, ctx: distri
 
         return forward
 
-    forward = forward_of(trained)
+    # compiled: the first-order passes; the optimizers evaluate the closure eagerly where they differentiate it twice
+    forward = forward_of(torch.compile(trained) if t.compile else trained)
     tokens_per_step = d.batch_size * d.context_length * t.grad_accum_steps * ctx.world_size
     no_sync = trained.no_sync if isinstance(trained, DistributedDataParallel) else None
 
