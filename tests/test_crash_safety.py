@@ -1,12 +1,14 @@
 """Crash safety of the recipes' checkpoints and run folders: a run killed mid-write, a disk that
 fills up, a rename that is refused, a checkpoint folder that cannot be made, corrupt checkpoint
 files (every flipped bit and zeroed block detected, ``--resume auto`` falling back past them), a
-second run on a folder in use, leftover temporary files and a log that continues without repeats.
+second run on a folder in use, a second run of a config (a numbered folder of its own), leftover
+temporary files and a log that continues without repeats.
 The shared machinery (``recipes.common.run_folder``) is exercised through all three recipes."""
 
 from __future__ import annotations
 
 import errno
+import functools
 import io
 import os
 import signal
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from benchmarks.environment import child_environment
 from recipes.common import checkpoint, run_folder
@@ -222,6 +225,72 @@ def test_a_fresh_run_in_a_folder_with_an_earlier_runs_checkpoints_is_refused(tmp
     assert [row["step"] for row in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, 9))
 
 
+def test_a_second_run_of_a_config_gets_a_numbered_folder_and_resume_auto_continues_the_newest(tmp_path, capsys):
+    """Run the same command twice: the second run trains in ``tiny_2`` (saying so) and leaves ``tiny`` as it was;
+    ``--resume auto`` continues ``tiny_2``, the newest; run again once finished, it says so, prints the run's last
+    metrics and writes nothing. Before, the second run stopped: 'tiny holds the checkpoints of an earlier run'."""
+    first, second = tmp_path / "tiny", tmp_path / "tiny_2"
+    LM.main(LM.arguments(tmp_path, "train.steps=2"))
+    kept = contents(first)
+    capsys.readouterr()
+    LM.main(LM.arguments(tmp_path, "train.steps=2"))
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"python -m recipes.lm: {first} holds an earlier run; this run writes to {second} (--resume auto continues "
+        "the newest run, name=... chooses the folder)")
+    assert [row["step"] for row in read_jsonl(second / "metrics.jsonl")] == [1, 2] and contents(first) == kept
+    assert OmegaConf.load(second / "config.yaml").name == "tiny_2"
+
+    summary = LM.main(LM.arguments(tmp_path, "train.steps=4", "--resume", "auto"))
+    assert capsys.readouterr().err.splitlines()[0] == f"python -m recipes.lm: continuing {second}, the newest run of tiny"
+    assert [row["step"] for row in read_jsonl(second / "metrics.jsonl")] == [1, 2, 3, 4] and contents(first) == kept
+    finished = contents(second)
+    assert LM.main(LM.arguments(tmp_path, "train.steps=4", "--resume", "auto")) == summary
+    err = capsys.readouterr().err.splitlines()
+    assert err[1:] == [f"{second} finished at step 4 (train.steps=4): nothing to train; raise train.steps to train "
+                       "it further", " ".join(f"{key}={summary[key]:.4g}" for key in ("train/loss", "val/loss",
+                                                                                      "val/perplexity"))]
+    assert contents(second) == finished and sorted(p.name for p in tmp_path.iterdir()) == ["tiny", "tiny_2"]
+
+
+def test_a_run_name_given_on_the_command_line_that_holds_a_run_is_refused(tmp_path, capsys):
+    """``name=`` names the folder itself: one holding an earlier run's checkpoints is refused (status 2) with the
+    ways on, and nothing in it changes."""
+    LM.main(LM.arguments(tmp_path, "train.steps=2", "name=mine"))
+    kept = contents(tmp_path / "mine")
+    with pytest.raises(SystemExit) as exit_:
+        LM.main(LM.arguments(tmp_path, "train.steps=2", "name=mine"))
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"python -m recipes.lm: error: {tmp_path / 'mine'} holds the checkpoints of an earlier run (newest: "
+        "step_00000002.pt); continue it with --resume auto (train.resume=auto), or start a new run under another "
+        "name= (without name= the config's runs are numbered: a new one gets a folder of its own), or delete "
+        f"{tmp_path / 'mine' / 'checkpoints'} to start afresh")
+    assert contents(tmp_path / "mine") == kept and sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+
+
+def test_numbered_names_follow_the_highest_run_of_the_config(tmp_path):
+    """A fresh run takes the number after the highest folder that holds a run (an empty folder holds none);
+    ``auto`` the highest; a resume from a checkpoint path keeps the config's name."""
+    name = functools.partial(run_folder.numbered_name, tmp_path, "tiny")
+    assert (name(None), name("auto")) == ("tiny", "tiny")
+    (tmp_path / "tiny").mkdir()
+    assert (name(None), name("auto")) == ("tiny", "tiny")
+    (tmp_path / "tiny" / "metrics.jsonl").touch()
+    for folder in ("tiny_3", "tiny_10", "tiny_02", "tiny_x", "tinyy_12", "tiny_11"):
+        (tmp_path / folder).mkdir()
+    for folder in ("tiny_3", "tiny_10", "tiny_02", "tiny_x", "tinyy_12"):
+        (tmp_path / folder / "config.yaml").touch()
+    assert (name(None), name("auto"), name("runs/tiny/checkpoints")) == ("tiny_11", "tiny_10", "tiny")
+    (tmp_path / "group" / "tiny").mkdir(parents=True)
+    (tmp_path / "group" / "tiny" / "run.lock").touch()
+    assert run_folder.numbered_name(tmp_path, "group/tiny", None) == "group/tiny_2"
+
+
+def contents(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` by its relative path, with its bytes."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_resume_auto_falls_back_past_a_damaged_checkpoint_and_logs_each_step_once(tmp_path, recipe):
     """Steps 1-4 with checkpoints at 2 and 4; step 4's file gets one flipped bit. ``resume=auto``
@@ -263,7 +332,7 @@ def test_a_second_run_on_a_folder_in_use_is_refused_and_a_dead_runs_lock_taken_o
     """Another live process holds the run folder: the run stops with one line (status 1) and writes
     nothing. Once that process is killed, its lock file is left naming it; the next run takes it
     over with a warning and removes it at exit."""
-    run_dir, args = tmp_path / "tiny", LM.arguments(tmp_path, "train.steps=2")
+    run_dir, args = tmp_path / "tiny", LM.arguments(tmp_path, "train.steps=2", "name=tiny")
     run_dir.mkdir()
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE,
                               env=child_environment())

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from recipes.common import checkpoint, cli
 from recipes.common.config import ConfigError
@@ -104,9 +105,10 @@ def test_bad_config_on_the_command_line_exits_with_the_message(tmp_path, capsys,
     ["a=1", "--config", "run.yaml", "b=2", "--resume=auto"],
     ["--resume", "auto", "a=1", "b=2", "--config", "run.yaml"],
 ])
-def test_options_may_stand_anywhere_among_the_overrides(argv):
+def test_options_may_stand_anywhere_among_the_overrides(argv, tmp_path):
     loaded = []
-    cli.run("lm", "", lambda path, overrides: loaded.append((path, overrides)) or {}, lambda cfg: {},
+    config = OmegaConf.create({"name": "run", "out_dir": str(tmp_path), "train": {"resume": "auto"}})
+    cli.run("lm", "", lambda path, overrides: loaded.append((path, overrides)) or config, lambda cfg: {},
             lambda key: True, argv)
     assert loaded == [("run.yaml", ["a=1", "b=2", "train.resume=auto"])]
 

@@ -1,7 +1,9 @@
 """The run folder every recipe writes, ``<out_dir>/<name>/``: one run at a time, leftovers of
 killed writes removed, and resuming from its newest checkpoint that is intact.
 
-:func:`claim` locks the folder for the life of a run (a second run started on it stops with
+:func:`numbered_name` gives a run that takes its name from its config a folder of its own:
+``<name>``, ``<name>_2``, ``<name>_3``, ... are the runs of that config, a new one takes the next
+number and ``--resume auto`` continues the highest. :func:`claim` locks the folder for the life of a run (a second run started on it stops with
 :class:`RunLockedError`) and deletes the temporary files of writes a killed process left. :func:`resume` reads the checkpoint ``train.resume`` names
 (``auto``: this run's newest readable one, skipping damaged ones with a warning; none on a fresh
 run); :func:`snapshot` and :func:`restore` save and load the stateful parts of a recipe (model,
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import socket
 import warnings
 from collections.abc import Iterator
@@ -124,6 +127,31 @@ def claim(run_dir: Path) -> Iterator[None]:
         lock.release()
 
 
+def numbered_name(out_dir: str | Path, name: str, resume: str | None) -> str:
+    """The run name of a run whose name comes from its config (none was given on the command line).
+
+    The folders ``<name>``, ``<name>_2``, ``<name>_3``, ... under ``out_dir`` are the runs of a config named
+    ``name``; one that holds anything (a lock, a log, checkpoints) is taken. A fresh run (``resume`` None)
+    takes the number after the highest taken one (``name`` itself where none is taken); ``resume="auto"``
+    continues the highest taken one (``name`` where none is); a resume from a checkpoint file or folder keeps
+    ``name``.
+    """
+    if resume not in (None, "auto"):
+        return name
+    first = Path(out_dir) / name
+    numbered = (re.fullmatch(re.escape(first.name) + r"_([2-9]|[1-9][0-9]+)", path.name) for path in
+                (first.parent.iterdir() if first.parent.is_dir() else ()))
+    taken = [int(match[1]) for match in numbered if match and _taken(first.parent / match[0])]
+    highest = max(taken, default=1 if _taken(first) else 0)
+    number = highest if resume == "auto" else highest + 1
+    return name if number <= 1 else f"{name}_{number}"
+
+
+def _taken(path: Path) -> bool:
+    """Whether ``path`` holds a run: it exists and is not an empty folder."""
+    return path.exists() and not (path.is_dir() and not any(path.iterdir()))
+
+
 def resume(resume: str | None, run_dir: Path) -> tuple[Path, dict] | None:
     """The checkpoint ``train.resume`` names and its verified state, or ``None`` (start from scratch).
 
@@ -142,8 +170,9 @@ def resume(resume: str | None, run_dir: Path) -> tuple[Path, dict] | None:
         earlier = checkpoint.latest(run_dir / "checkpoints")
         if earlier is not None:
             raise ConfigError(f"{run_dir} holds the checkpoints of an earlier run (newest: {earlier.name}); continue "
-                              f"it with --resume auto (train.resume=auto), or choose another name, or delete "
-                              f"{earlier.parent} to start afresh")
+                              f"it with --resume auto (train.resume=auto), or start a new run under another name= "
+                              f"(without name= the config's runs are numbered: a new one gets a folder of its own), "
+                              f"or delete {earlier.parent} to start afresh")
         return None
     target = run_dir / "checkpoints" if resume == "auto" else Path(resume)
     if resume == "auto" or target.is_dir():

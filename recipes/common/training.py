@@ -4,7 +4,8 @@
 
     claim the folder (lock it, remove what killed writes left)
     seed; build the recipe (model, optimizer, data) on the device
-    resume: restore the recipe's parts and the random-number states from a checkpoint (train.resume)
+    resume: restore the recipe's parts and the random-number states from a checkpoint (train.resume);
+        a run resumed at train.steps or later says it has finished and returns its logged metrics
     for each step up to train.steps (or until train.max_seconds of steps after this process's first):
         take the recipe's step; stop if its loss is not finite
         every train.log_interval steps (and the first and last): log the step's metrics
@@ -19,8 +20,10 @@ random-number states.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -110,6 +113,8 @@ def _run(cfg: DictConfig, run_dir: Path, build: Build, ctx: distributed.Context,
             run_folder.check_restored_settings(source, state, OmegaConf.to_container(cfg.optimizer))
         checkpoint.restore_rng(state, recipe.generator, ctx.rank, ctx.world_size)
         step = state["step"]
+    if step >= cfg.train.steps:
+        return finished(run_dir, step, cfg.train.steps, ctx)
 
     def save_checkpoint() -> None:
         rngs = distributed.gather(checkpoint.rng_states(recipe.generator), ctx)  # a collective: every rank takes part
@@ -156,6 +161,24 @@ def _run(cfg: DictConfig, run_dir: Path, build: Build, ctx: distributed.Context,
         bar.close()
         if logger is not None:
             logger.close()
+    return last
+
+
+def finished(run_dir: Path, step: int, steps: int, ctx: distributed.Context) -> dict[str, float]:
+    """A resumed run that has no step left: rank 0 says so and returns the last value of each metric that the
+    run's ``metrics.jsonl`` holds up to ``step`` (the other ranks return ``{}``); nothing is written."""
+    if not ctx.is_main:
+        return {}
+    print(f"{run_dir} finished at step {step} (train.steps={steps}): nothing to train; raise train.steps to train "
+          "it further", file=sys.stderr)
+    path, last = run_dir / "metrics.jsonl", {}
+    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else ():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if row.get("step", step + 1) <= step:
+            last.update({key: value for key, value in row.items() if key not in ("step", "time")})
     return last
 
 
