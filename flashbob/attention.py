@@ -11,15 +11,16 @@ from typing import Callable
 
 import torch
 
-from flashbob import blocked
+from flashbob import operators
 from flashbob.autograd import Attention, apply
 from flashbob.inputs import BackendName, check_backend, check_inputs, check_key_mask, check_options
 
 
 @dataclass(frozen=True)
 class Backend:
-    """The passes one implementation provides (signatures as in :mod:`flashbob.blocked`): forward,
-    backward, backward-over-backward, and the tangents of the forward and of the backward (forward mode)."""
+    """The passes one implementation provides, as its operators (:mod:`flashbob.operators`, called as the functions
+    of :mod:`flashbob.blocked`): forward, backward, backward-over-backward, and the tangents of the forward and of
+    the backward (forward mode)."""
 
     name: str
     forward: Callable
@@ -29,19 +30,13 @@ class Backend:
     backward_jvp: Callable
 
 
-@functools.cache
-def _triton_backend(allow_tf32: bool) -> Backend:
-    """The kernels with ``allow_tf32`` bound, built once per value (each call of :func:`attention` asks for it)."""
-    from flashbob import kernels  # imports triton; only when the Triton backend is used
-
-    bind = functools.partial(functools.partial, allow_tf32=allow_tf32)
-    return Backend(
-        "triton",
-        *(bind(f) for f in (kernels.forward, kernels.backward, kernels.bob, kernels.forward_jvp, kernels.backward_jvp)),
-    )
-
-
-BLOCKED = Backend("blocked", blocked.forward, blocked.backward, blocked.bob, blocked.forward_jvp, blocked.backward_jvp)
+BLOCKED = Backend("blocked", *(operators.BLOCKED[name] for name in operators.PASSES))
+#: The kernels' operators with ``allow_tf32`` bound, by its value; none where the kernels cannot run.
+TRITON = {
+    allow_tf32: Backend("triton", *(functools.partial(operators.KERNELS[name], allow_tf32=allow_tf32)
+                                    for name in operators.PASSES))
+    for allow_tf32 in ((False, True) if operators.KERNELS else ())
+}
 
 
 def select_backend(q: torch.Tensor, backend: BackendName) -> Backend:
@@ -50,7 +45,8 @@ def select_backend(q: torch.Tensor, backend: BackendName) -> Backend:
     ``triton`` on CPU tensors runs the kernels in Triton's interpreter, which needs
     ``TRITON_INTERPRET=1`` in the environment before ``triton`` is first imported.
     For float32 inputs the kernels use TF32 matrix products only if
-    ``torch.get_float32_matmul_precision()`` is not ``"highest"`` (PyTorch's default is full precision).
+    ``torch.get_float32_matmul_precision()`` is not ``"highest"`` (PyTorch's default is full precision), read as
+    the cuBLAS switch it sets, ``torch.backends.cuda.matmul.allow_tf32`` (which torch.compile can read).
     float64 CUDA tensors take the blocked backend under ``auto``: Triton 3.6 fails to compile the
     kernels' float64 matrix products for Hopper (seen on an H200), so ``triton`` refuses them.
     """
@@ -70,7 +66,7 @@ def select_backend(q: torch.Tensor, backend: BackendName) -> Backend:
             "tl.dot on bfloat16 operands wrongly (seen with Triton 3.9); use float16, float32 or float64 there, "
             "backend='blocked', or a GPU"
         )
-    return _triton_backend(allow_tf32=torch.get_float32_matmul_precision() != "highest")
+    return TRITON[torch.backends.cuda.matmul.allow_tf32]
 
 
 def attention(
@@ -102,7 +98,8 @@ def attention(
 
     Returns:
         ``O``, shaped and typed like ``q``. Its backward, taken with ``create_graph=True``, is
-        differentiable again through the closed-form backward-over-backward.
+        differentiable again through the closed-form backward-over-backward. Under torch.compile the call is
+        one operator of the graph (:mod:`flashbob.operators`), differentiable once as compiled graphs are.
 
     Raises:
         TypeError, ValueError: malformed inputs or options, with a message naming the argument
@@ -119,5 +116,9 @@ def attention(
     key_mask = check_key_mask(key_mask, q, k)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    o, _stats = apply(Attention, q, k, v, key_mask, causal, float(scale), select_backend(q, backend))
+    chosen = select_backend(q, backend)
+    if torch.compiler.is_compiling():  # traced by torch.compile: its operator, differentiable once
+        o, _stats = chosen.forward(q, k, v, key_mask=key_mask, causal=causal, scale=float(scale))
+    else:
+        o, _stats = apply(Attention, q, k, v, key_mask, causal, float(scale), chosen)
     return o

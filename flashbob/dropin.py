@@ -125,9 +125,10 @@ def _opaque_mask_reason(mask: torch.Tensor) -> str | None:
 
     Reading a mask as a key-padding mask turns it into a constant: a mask that carries derivatives
     would lose them (a learnable bias initialised to zeros looks like "attend everywhere"), and a
-    mask whose values cannot be read cannot be classified.
+    mask whose values cannot be read cannot be classified. (torch.compile cannot trace the test for a torch.func
+    transform's tensor; under it the values of a mask that is read break the graph there.)
     """
-    if torch._C._functorch.is_functorch_wrapped_tensor(mask):
+    if not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(mask):
         return "an attn_mask inside a torch.func transform (its values cannot be read, and it may carry derivatives)"
     if mask.requires_grad:
         return "an attn_mask that requires grad (a learnable bias, which needs its exact gradient)"

@@ -353,11 +353,11 @@ def test_functions_bind_their_arguments_to_a_stored_signature():
     """Function.apply binds its arguments to inspect.signature(forward) on every call (torch 2.13): each flashbob
     Function's forward stores its wrapper's own signature (*args) (a few us to read and bind, instead of 60-100 us
     to rebuild the wrapped forward's through __wrapped__ and 13-22 us to bind to its named parameters), and the
-    Triton backend is built once per allow_tf32 instead of per call."""
+    Triton backend is built once per allow_tf32 (at import) instead of per call."""
     import inspect
 
     from flashbob import autograd
-    from flashbob.attention import _triton_backend
+    from flashbob.attention import TRITON
 
     functions = (autograd.Attention, autograd.AttentionBackward, autograd.BackwardOverBackward,
                  autograd.AttentionTangent, autograd.AttentionBackwardTangent)
@@ -366,4 +366,4 @@ def test_functions_bind_their_arguments_to_a_stored_signature():
         assert "__signature__" in vars(forward), function.__name__
         (parameter,) = inspect.signature(forward).parameters.values()
         assert parameter.kind is inspect.Parameter.VAR_POSITIONAL, function.__name__
-    assert _triton_backend(False) is _triton_backend(False) and _triton_backend(True).forward.keywords["allow_tf32"]
+    assert all(TRITON[allow_tf32].forward.keywords["allow_tf32"] is allow_tf32 for allow_tf32 in (False, True))

@@ -188,7 +188,7 @@ def row_dot_products(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[:3], dtype=common.accumulator_dtype(x.dtype), device=x.device)
     configs.launch(
         "delta", _delta_kernel, common.row_grid(n, batch * heads), *common.with_strides(x, y), out, heads, n,
-        head_dim=head_dim, dtype=x.dtype, length=n, HEAD_DIM=head_dim, BLOCK_D=common.head_dim_block(head_dim),
+        head_dim=head_dim, dtype=x.dtype, length=n, HEAD_DIM=head_dim, BLOCK_D=common.head_dim_block(int(head_dim)),
     )
     return out
 

@@ -11,6 +11,8 @@ import triton.language as tl
 
 from flashbob.inputs import accumulator_dtype, check_inputs, check_triton_limits
 
+from . import tracing
+
 # exp(x) = exp2(x * log2(e)): the kernels work in base 2.
 LOG2E = tl.constexpr(math.log2(math.e))
 
@@ -395,8 +397,10 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 def key_mask_operand(key_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """The bool key-padding mask as a contiguous ``(B, M)`` uint8 tensor (1 = keep) and ``HAS_KEY_MASK``
     (TypeError for another dtype); without a mask, a one-byte placeholder the kernels never read
-    (:func:`key_mask_placeholder`)."""
+    (:func:`key_mask_placeholder`; a new one where ``q`` is traced, as a graph takes no tensor made outside it)."""
     if key_mask is None:
+        if tracing.traced((q,)):
+            return torch.empty(1, dtype=torch.uint8, device=q.device), False
         return key_mask_placeholder(q.device), False
     if key_mask.dtype != torch.bool:  # a cast to uint8 would read 0.5 or 256 as 0 (masked), not as True
         raise TypeError(f"key_mask must be a bool tensor (True = keep the key), got {key_mask.dtype}")
@@ -506,6 +510,6 @@ def kernel_constants(q: torch.Tensor, causal: bool, allow_tf32: bool, has_key_ma
     """The compile-time arguments of every attention kernel for inputs like ``q``, plus ``flags``
     (which cotangents or tangents are present)."""
     head_dim = q.shape[-1]
-    return dict(HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), CAUSAL=causal,
+    return dict(HEAD_DIM=head_dim, BLOCK_D=head_dim_block(int(head_dim)), CAUSAL=causal,
                 PRECISION=dot_precision(q.dtype, allow_tf32), HAS_KEY_MASK=has_key_mask, **flags)
 

@@ -50,7 +50,7 @@ import torch
 import triton
 from triton.runtime import _allocation
 
-from . import tuning
+from . import tracing, tuning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +270,11 @@ def launch(kernel: str, jit_fn, grid, *args, head_dim: int, dtype: torch.dtype, 
     ``length`` is the sequence length that sizes the blocks (N for row kernels, M for column kernels).
     A kernel with variants also takes ``TMA``; ``descriptors`` are the operands that its ``"tma"`` variant
     addresses through tensor descriptors (:func:`variant_for`). Triton launches on the current device: on
-    another GPU than the operands', the launch (and any tuning) runs with theirs made current."""
+    another GPU than the operands', the launch (and any tuning) runs with theirs made current. On traced tensors
+    (torch.compile) it is recorded, untuned, and in the interpreter skipped (:mod:`.tracing`)."""
+    if tracing.traced(args) and tracing.interpreted():
+        return
+    head_dim, length = int(head_dim), int(length)  # symbolic sizes (torch.compile's dynamic shapes) are specialised
     index, gpu, capability = _gpu(args)
     if index is not None and index != torch.cuda.current_device():
         with torch.cuda.device(index):
@@ -281,13 +285,15 @@ def launch(kernel: str, jit_fn, grid, *args, head_dim: int, dtype: torch.dtype, 
 
 def _launch(kernel: str, jit_fn, grid, args: tuple, head_dim: int, dtype: torch.dtype, length: int,
             descriptors: tuple[torch.Tensor, ...], constants: dict, gpu: str | None, capability: str | None) -> None:
-    run = functools.partial(_run, kernel, jit_fn, grid, args, constants, descriptors=descriptors)
+    run = functools.partial(_run, kernel, tracing.launcher(jit_fn, args), grid, args, constants,
+                            descriptors=descriptors)
     if _overrides:
         run(choose(kernel, head_dim, dtype, length))
         return
     key = tuning_key(kernel, head_dim, dtype, length, constants)
     space = candidates(kernel, head_dim, dtype, length)
-    memo = (key, gpu, tuning_mode())
+    mode = tuning_mode()
+    memo = (key, gpu, "off" if mode != "defaults" and tracing.traced(args) else mode)  # nothing to time when traced
     if memo not in _PICKS:
         _PICKS[memo] = pick(key, space, *memo[1:], run=run, capability=capability)
     chosen = _PICKS[memo]
@@ -341,7 +347,7 @@ def descriptors_usable(tensors: tuple[torch.Tensor, ...]) -> bool:
         return False
     for x in tensors:  # plain loops: this runs at every launch of a kernel with the variant
         *outer, last = x.stride()
-        if last != 1 or x.data_ptr() % 16 or outer[-1] == 0:
+        if last != 1 or tracing.address(x) % 16 or outer[-1] == 0:
             return False
         size = x.element_size()
         for stride in outer:

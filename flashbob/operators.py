@@ -1,0 +1,233 @@
+"""The passes of both backends as ``torch.library`` operators ``flashbob::<backend>_<pass>``, each with a fake
+implementation, so that torch.compile puts attention into its graphs.
+
+The passes are ``forward``, ``backward``, ``bob`` (backward-over-backward), ``forward_jvp`` and ``backward_jvp``;
+each operator takes its pass's arguments in the order of the backends' functions, keyword arguments included:
+tensors, optional tensors (``None``: an absent, zero cotangent or tangent; no key mask; for ``backward_jvp``, no
+forward tangents ``o_dot``, ``stats_dot``), ``causal``, ``scale`` and, for the kernels, ``allow_tf32``.
+
+* The blocked backend's passes are opaque custom operators (:func:`torch.library.custom_op`) with contiguous
+  outputs; their fake implementations give the outputs' shapes and dtypes.
+* The kernels' passes are Triton operators (:func:`torch.library.triton_op`): torch.compile traces their host
+  code, and the kernels it launches (:mod:`flashbob.kernels.tracing`) go into its graph, where inductor compiles
+  and launches them itself. That host code, run on fake tensors, is their fake implementation. In Triton's
+  interpreter, whose kernels cannot go into a graph, they are opaque custom operators with the same fake
+  implementation.
+
+The forward operators are differentiable once (:func:`torch.library.register_autograd`, through the backward
+operator), which is what torch.compile, differentiating once, needs; the autograd Functions of
+:mod:`flashbob.autograd` call the operators and give every derivative in eager mode.
+"""
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from flashbob import blocked
+from flashbob.inputs import accumulator_dtype
+
+PASSES = ("forward", "backward", "bob", "forward_jvp", "backward_jvp")
+
+
+def _empty_like(x: Tensor) -> Tensor:
+    """A contiguous tensor of ``x``'s shape, dtype and device."""
+    return x.new_empty(x.shape)
+
+
+def _row_statistic(q: Tensor) -> Tensor:
+    """A contiguous ``(batch, heads, N)`` row statistic of ``q``'s rows, in the accumulator dtype."""
+    return q.new_empty(q.shape[:3], dtype=accumulator_dtype(q.dtype))
+
+
+def _contiguous(outputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    return tuple(x.contiguous() for x in outputs)
+
+
+def _differentiable_once(forward, backward) -> None:
+    """Register the gradient of a forward operator ``(q, k, v, key_mask, *options) -> (o, stats)``: its ``backward``
+    operator's ``(dq, dk, dv)`` for the cotangent of ``o`` (``stats`` is not differentiable)."""
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, key_mask, *ctx.options = inputs
+        o, stats = output
+        ctx.mark_non_differentiable(stats)
+        ctx.save_for_backward(q, k, v, o, stats, key_mask)
+
+    def gradient(ctx, do, _stats_grad):
+        q, k, v, o, stats, key_mask = ctx.saved_tensors
+        dq, dk, dv, _delta = backward(q, k, v, o, stats, do, key_mask, *ctx.options)
+        return dq, dk, dv, None, *(None for _ in ctx.options)
+
+    forward.register_autograd(gradient, setup_context=setup_context)
+
+
+# ----------------------------------------------------------------------------- blocked backend
+
+
+@torch.library.custom_op("flashbob::blocked_forward", mutates_args=())
+def blocked_forward(
+    q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    """:func:`flashbob.blocked.forward`: ``(o, lse)``."""
+    return _contiguous(blocked.forward(q, k, v, causal=causal, scale=scale, key_mask=key_mask))
+
+
+@blocked_forward.register_fake
+def _(q, k, v, key_mask, causal, scale):
+    return _empty_like(q), _row_statistic(q)
+
+
+@torch.library.custom_op("flashbob::blocked_backward", mutates_args=())
+def blocked_backward(
+    q: Tensor, k: Tensor, v: Tensor, o: Tensor, stats: Tensor, do: Tensor, key_mask: Optional[Tensor], causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`flashbob.blocked.backward`: ``(dq, dk, dv, delta)``."""
+    return _contiguous(blocked.backward(q, k, v, o, stats, do, causal=causal, scale=scale, key_mask=key_mask))
+
+
+@blocked_backward.register_fake
+def _(q, k, v, o, stats, do, key_mask, causal, scale):
+    return _empty_like(q), _empty_like(k), _empty_like(v), _row_statistic(q)
+
+
+@torch.library.custom_op("flashbob::blocked_bob", mutates_args=())
+def blocked_bob(
+    q: Tensor, k: Tensor, v: Tensor, do: Tensor, o: Tensor, stats: Tensor, delta: Tensor, dq_bar: Optional[Tensor],
+    dk_bar: Optional[Tensor], dv_bar: Optional[Tensor], key_mask: Optional[Tensor], causal: bool, scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`flashbob.blocked.bob`: ``(q_bar, k_bar, v_bar, do_bar)``."""
+    return _contiguous(blocked.bob(q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, causal=causal, scale=scale,
+                                   key_mask=key_mask))
+
+
+@blocked_bob.register_fake
+def _(q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, key_mask, causal, scale):
+    return _empty_like(q), _empty_like(k), _empty_like(v), _empty_like(do)
+
+
+@torch.library.custom_op("flashbob::blocked_forward_jvp", mutates_args=())
+def blocked_forward_jvp(
+    q: Tensor, k: Tensor, v: Tensor, o: Tensor, stats: Tensor, q_dot: Optional[Tensor], k_dot: Optional[Tensor],
+    v_dot: Optional[Tensor], key_mask: Optional[Tensor], causal: bool, scale: float,
+) -> tuple[Tensor, Tensor]:
+    """:func:`flashbob.blocked.forward_jvp`: ``(o_dot, stats_dot)``."""
+    return _contiguous(blocked.forward_jvp(q, k, v, o, stats, q_dot, k_dot, v_dot, causal=causal, scale=scale,
+                                           key_mask=key_mask))
+
+
+@blocked_forward_jvp.register_fake
+def _(q, k, v, o, stats, q_dot, k_dot, v_dot, key_mask, causal, scale):
+    return _empty_like(q), _empty_like(stats)
+
+
+@torch.library.custom_op("flashbob::blocked_backward_jvp", mutates_args=())
+def blocked_backward_jvp(
+    q: Tensor, k: Tensor, v: Tensor, do: Tensor, o: Tensor, stats: Tensor, delta: Tensor, q_dot: Optional[Tensor],
+    k_dot: Optional[Tensor], v_dot: Optional[Tensor], do_dot: Optional[Tensor], o_dot: Optional[Tensor],
+    stats_dot: Optional[Tensor], key_mask: Optional[Tensor], causal: bool, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`flashbob.blocked.backward_jvp`: ``(dq_dot, dk_dot, dv_dot)``."""
+    return _contiguous(blocked.backward_jvp(q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, causal=causal,
+                                            scale=scale, key_mask=key_mask, o_dot=o_dot, stats_dot=stats_dot))
+
+
+@blocked_backward_jvp.register_fake
+def _(q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, o_dot, stats_dot, key_mask, causal, scale):
+    return _empty_like(q), _empty_like(k), _empty_like(v)
+
+
+_differentiable_once(blocked_forward, blocked_backward)
+BLOCKED = dict(zip(PASSES, (blocked_forward, blocked_backward, blocked_bob, blocked_forward_jvp, blocked_backward_jvp)))
+
+
+# ----------------------------------------------------------------------------- Triton kernels
+
+
+def kernels_run() -> bool:
+    """Whether the kernels can run here: on a CUDA GPU, or in Triton's interpreter (``TRITON_INTERPRET=1``)."""
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _kernel_operators() -> dict:
+    """The kernels' passes as operators ``flashbob::triton_<pass>``, by pass (imports Triton)."""
+    from flashbob import kernels
+    from flashbob.kernels import tracing
+
+    def forward(
+        q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], causal: bool, scale: float, allow_tf32: bool
+    ) -> tuple[Tensor, Tensor]:
+        return kernels.forward(q, k, v, causal=causal, scale=scale, allow_tf32=allow_tf32, key_mask=key_mask)
+
+    def backward(
+        q: Tensor, k: Tensor, v: Tensor, o: Tensor, stats: Tensor, do: Tensor, key_mask: Optional[Tensor],
+        causal: bool, scale: float, allow_tf32: bool,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return kernels.backward(q, k, v, o, stats, do, causal=causal, scale=scale, allow_tf32=allow_tf32,
+                                key_mask=key_mask)
+
+    def bob(
+        q: Tensor, k: Tensor, v: Tensor, do: Tensor, o: Tensor, stats: Tensor, delta: Tensor,
+        dq_bar: Optional[Tensor], dk_bar: Optional[Tensor], dv_bar: Optional[Tensor], key_mask: Optional[Tensor],
+        causal: bool, scale: float, allow_tf32: bool,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return kernels.bob(q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, causal=causal, scale=scale,
+                           allow_tf32=allow_tf32, key_mask=key_mask)
+
+    def forward_jvp(
+        q: Tensor, k: Tensor, v: Tensor, o: Tensor, stats: Tensor, q_dot: Optional[Tensor], k_dot: Optional[Tensor],
+        v_dot: Optional[Tensor], key_mask: Optional[Tensor], causal: bool, scale: float, allow_tf32: bool,
+    ) -> tuple[Tensor, Tensor]:
+        return kernels.forward_jvp(q, k, v, o, stats, q_dot, k_dot, v_dot, causal=causal, scale=scale,
+                                   key_mask=key_mask, allow_tf32=allow_tf32)
+
+    def backward_jvp(
+        q: Tensor, k: Tensor, v: Tensor, do: Tensor, o: Tensor, stats: Tensor, delta: Tensor,
+        q_dot: Optional[Tensor], k_dot: Optional[Tensor], v_dot: Optional[Tensor], do_dot: Optional[Tensor],
+        o_dot: Optional[Tensor], stats_dot: Optional[Tensor], key_mask: Optional[Tensor], causal: bool, scale: float,
+        allow_tf32: bool,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        return kernels.backward_jvp(q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, causal=causal,
+                                    scale=scale, key_mask=key_mask, allow_tf32=allow_tf32, o_dot=o_dot,
+                                    stats_dot=stats_dot)
+
+    from flashbob.kernels.backward import _delta_kernel, _dkdv_kernel, _dq_kernel
+    from flashbob.kernels.bob import _bob_columns_kernel, _bob_rows_kernel
+    from flashbob.kernels.forward import _forward_kernel
+    from flashbob.kernels.jvp import _dk_dot_dv_dot_kernel, _dq_dot_kernel, _o_dot_kernel, _row_scalars_kernel
+
+    passes = {  # each pass's host function and the kernels it launches
+        "forward": (forward, (_forward_kernel,)),
+        "backward": (backward, (_dq_kernel, _dkdv_kernel)),
+        "bob": (bob, (_bob_rows_kernel, _bob_columns_kernel)),
+        "forward_jvp": (forward_jvp, (_o_dot_kernel,)),
+        "backward_jvp": (backward_jvp, (_row_scalars_kernel, _delta_kernel, _dq_dot_kernel, _dk_dot_dv_dot_kernel)),
+    }
+    operators = {}
+    for name, (host, launched) in passes.items():
+        qualified = f"flashbob::triton_{name}"
+        if tracing.interpreted():
+            operators[name] = torch.library.custom_op(qualified, host, mutates_args=())
+            operators[name].register_fake(host)
+        else:
+            operators[name] = torch.library.triton_op(qualified, host, mutates_args=())
+            _name_kernels(qualified, launched)
+    _differentiable_once(operators["forward"], operators["backward"])
+    return operators
+
+
+def _name_kernels(qualified: str, launched: tuple) -> None:
+    """Record the kernels that the Triton operator ``qualified`` launches where torch.compile's AOTAutograd cache
+    looks for them (a private registry of torch): the cache hashes their source into its key, so that a changed
+    kernel is compiled again. torch finds them itself only where the operator's own source calls ``wrap_triton`` on
+    them, and here :func:`flashbob.kernels.configs.launch` does. A torch without that registry records nothing."""
+    registry = getattr(torch._library.triton, "triton_ops_to_kernels", None)
+    if registry is not None:
+        registry[qualified] = list(launched)
+
+
+#: The kernels' operators by pass, registered at import where the kernels can run (:func:`kernels_run`), so that
+#: torch.compile finds them; none elsewhere, where Triton is not imported.
+KERNELS = _kernel_operators() if kernels_run() else {}
