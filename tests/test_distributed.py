@@ -9,6 +9,7 @@ ranks of batch B match one process of batch 2B, and a resumed run continues exac
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  before any process group: see recipes/common/distributed.py
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
@@ -94,23 +96,40 @@ def _run_case(factory, steps: int, rank: int, world: int, distributed: bool) -> 
 
 
 def _optimizer_worker(rank: int, init_file: str, out_dir: str) -> None:
+    """This rank's results of :func:`_optimizer_results`, and the gloo threads left once the process group is
+    destroyed (none: the group's backend goes with it, not at the interpreter's exit), saved to ``out_dir``."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
-        results = {name: run_case(factory, steps, rank, WORLD, True)
-                   for name, (factory, steps) in {**CASES, **REPLICATED}.items()}
-        results["mismatched"] = {name: mismatched_error(factory, rank) for name, factory in MISMATCHED.items()}
-        results["partly_reached"] = {name: partly_reached(factory, [rank]) for name, factory in PARTLY.items()}
-        results["plain_partly"] = {name: plain_partly(factory, [rank]) for name, factory in PLAIN.items()}
-        bartlett = NewtonCG([torch.nn.Parameter(torch.zeros(2))], preconditioner="bartlett", distributed=True)
-        results["label_state"] = bartlett._label_generator().get_state()
-        results["probe_state"] = bartlett.generator.get_state()
-        zeros = [torch.nn.Parameter(torch.zeros(2))]
-        results["default_generators"] = {"sophiag": SophiaG(zeros, distributed=True).generator.get_state(),
-                                         "sophiah": SophiaH(zeros, distributed=True).generator.get_state()}
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        results = _optimizer_results(rank)
     finally:
         dist.destroy_process_group()
+    results["gloo_threads"] = gloo_threads()
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+
+
+def _optimizer_results(rank: int) -> dict:
+    results = {name: run_case(factory, steps, rank, WORLD, True)
+               for name, (factory, steps) in {**CASES, **REPLICATED}.items()}
+    results["mismatched"] = {name: mismatched_error(factory, rank) for name, factory in MISMATCHED.items()}
+    results["partly_reached"] = {name: partly_reached(factory, [rank]) for name, factory in PARTLY.items()}
+    results["plain_partly"] = {name: plain_partly(factory, [rank]) for name, factory in PLAIN.items()}
+    bartlett = NewtonCG([torch.nn.Parameter(torch.zeros(2))], preconditioner="bartlett", distributed=True)
+    results["label_state"] = bartlett._label_generator().get_state()
+    results["probe_state"] = bartlett.generator.get_state()
+    zeros = [torch.nn.Parameter(torch.zeros(2))]
+    results["default_generators"] = {"sophiag": SophiaG(zeros, distributed=True).generator.get_state(),
+                                     "sophiah": SophiaH(zeros, distributed=True).generator.get_state()}
+    return results
+
+
+def gloo_threads() -> list[str]:
+    """The names of this process's threads that gloo runs (its workers and its socket loop); Linux only."""
+    names = []
+    for task in Path("/proc/self/task").glob("*"):
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            names.append((task / "comm").read_text().strip())
+    return sorted(name for name in names if "gloo" in name)
 
 
 # A parameter the loss reaches on one rank only: it counts on every rank (its gradient is the average of the rank's
@@ -253,6 +272,15 @@ def test_default_generators_sample_labels_per_rank_and_probes_alike(two_rank_res
     first, second = (results["default_generators"] for results in two_rank_results)
     assert not torch.equal(first["sophiag"], second["sophiag"])
     assert torch.equal(first["sophiah"], second["sophiah"])
+
+
+def test_destroying_the_process_group_ends_its_threads(two_rank_results):
+    """Once the optimizers are gone, destroy_process_group ends the gloo threads in the worker. The first optimizer
+    of a process imports torch._dynamo, which imports torch.distributed.nn, whose default arguments then held the
+    process group: its backend outlived destroy_process_group and was torn down with the interpreter at exit,
+    where the worker now and then aborted ("terminate called without an active exception", SIGABRT) and the
+    fixture failed. This module imports torch.distributed.nn before any group exists."""
+    assert [rank["gloo_threads"] for rank in two_rank_results] == [[], []]
 
 
 def test_distributed_needs_an_initialised_process_group():

@@ -5,6 +5,9 @@
 ``LOCAL_RANK`` and ``WORLD_SIZE``; :func:`setup` joins them into one process group (NCCL on
 CUDA, gloo on the CPU) and pins each process to GPU ``LOCAL_RANK``. Without those variables
 (``python -m recipes.lm``) it is one process and every helper here is a no-op.
+
+:func:`teardown` destroys the process group, and with it its backend's threads, only because this
+module imports ``torch.distributed.nn`` before any group exists (see the import).
 """
 
 from __future__ import annotations
@@ -17,6 +20,14 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+if dist.is_available():
+    # Its functions take ``group=group.WORLD`` as default arguments, evaluated when it is first imported. That
+    # import comes with torch._dynamo, which the first torch.optim optimizer of a process imports: after
+    # init_process_group, the defaults hold the default group, so destroy_process_group left its backend alive
+    # (gloo's worker and socket threads ran on) until the interpreter tore it down at exit, where it can abort
+    # the process ("terminate called without an active exception"). Imported now, they hold no group.
+    import torch.distributed.nn  # noqa: F401
 
 T = TypeVar("T")
 
