@@ -228,7 +228,7 @@ def test_a_fresh_run_in_a_folder_with_an_earlier_runs_checkpoints_is_refused(tmp
 def test_a_second_run_of_a_config_gets_a_numbered_folder_and_resume_auto_continues_the_newest(tmp_path, capsys):
     """Run the same command twice: the second run trains in ``tiny_2`` (saying so) and leaves ``tiny`` as it was;
     ``--resume auto`` continues ``tiny_2``, the newest; run again once finished, it says so, prints the run's last
-    metrics and writes nothing. Before, the second run stopped: 'tiny holds the checkpoints of an earlier run'."""
+    metrics and writes nothing."""
     first, second = tmp_path / "tiny", tmp_path / "tiny_2"
     LM.main(LM.arguments(tmp_path, "train.steps=2"))
     kept = contents(first)

@@ -276,10 +276,11 @@ def test_default_generators_sample_labels_per_rank_and_probes_alike(two_rank_res
 
 def test_destroying_the_process_group_ends_its_threads(two_rank_results):
     """Once the optimizers are gone, destroy_process_group ends the gloo threads in the worker. The first optimizer
-    of a process imports torch._dynamo, which imports torch.distributed.nn, whose default arguments then held the
-    process group: its backend outlived destroy_process_group and was torn down with the interpreter at exit,
-    where the worker now and then aborted ("terminate called without an active exception", SIGABRT) and the
-    fixture failed. This module imports torch.distributed.nn before any group exists."""
+    of a process imports torch._dynamo, which imports torch.distributed.nn, whose functions take the default group
+    as default arguments: first imported after init_process_group, they would keep the group's backend alive past
+    destroy_process_group, to be torn down with the interpreter at exit, which can abort the worker ("terminate
+    called without an active exception", SIGABRT). This module imports torch.distributed.nn before any group
+    exists."""
     assert [rank["gloo_threads"] for rank in two_rank_results] == [[], []]
 
 

@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 
 if dist.is_available():
-    # Its functions take ``group=group.WORLD`` as default arguments, evaluated when it is first imported. That
-    # import comes with torch._dynamo, which the first torch.optim optimizer of a process imports: after
-    # init_process_group, the defaults hold the default group, so destroy_process_group left its backend alive
-    # (gloo's worker and socket threads ran on) until the interpreter tore it down at exit, where it can abort
-    # the process ("terminate called without an active exception"). Imported now, they hold no group.
+    # Its functions take ``group=group.WORLD`` as default arguments, evaluated when it is first imported, which
+    # torch._dynamo does inside the first torch.optim optimizer of a process. First imported after
+    # init_process_group, the defaults would hold the default group: destroy_process_group would leave its
+    # backend alive (gloo's worker and socket threads running) until the interpreter tears it down at exit, which
+    # can abort the process ("terminate called without an active exception"). Imported here, they hold none.
     import torch.distributed.nn  # noqa: F401
 
 T = TypeVar("T")
