@@ -8,11 +8,13 @@ forward tangents ``o_dot``, ``stats_dot``), ``causal``, ``scale`` and, for the k
 
 * The blocked backend's passes are opaque custom operators (:func:`torch.library.custom_op`) with contiguous
   outputs; their fake implementations give the outputs' shapes and dtypes.
-* The kernels' passes are Triton operators (:func:`torch.library.triton_op`): torch.compile traces their host
-  code, and the kernels it launches (:mod:`flashbob.kernels.tracing`) go into its graph, where inductor compiles
-  and launches them itself. That host code, run on fake tensors, is their fake implementation. In Triton's
-  interpreter, whose kernels cannot go into a graph, they are opaque custom operators with the same fake
-  implementation.
+* The kernels' passes are opaque custom operators too: inductor calls them as they are and launches their kernels
+  at run time, tuned, in the thread that runs the pass (the backward's, whose Triton allocator the kernels' tensor
+  descriptors need). Their fake implementation is their host code run on fake tensors, which launches nothing
+  (:mod:`flashbob.kernels.tracing`). As Triton operators (:func:`torch.library.triton_op`), whose kernels inductor
+  compiles into its own code, the kernels failed on the H100 (Triton 3.6, torch 2.11, 2026-12-07): inductor's
+  compilation of them raised in its worker process, and under aot_eager the backward's kernels found no allocator
+  for their tensor descriptors.
 
 The forward operators are differentiable once (:func:`torch.library.register_autograd`, through the backward
 operator), which is what torch.compile, differentiating once, needs; the autograd Functions of
@@ -154,7 +156,6 @@ def kernels_run() -> bool:
 def _kernel_operators() -> dict:
     """The kernels' passes as operators ``flashbob::triton_<pass>``, by pass (imports Triton)."""
     from flashbob import kernels
-    from flashbob.kernels import tracing
 
     def forward(
         q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], causal: bool, scale: float, allow_tf32: bool
@@ -193,39 +194,14 @@ def _kernel_operators() -> dict:
                                     scale=scale, key_mask=key_mask, allow_tf32=allow_tf32, o_dot=o_dot,
                                     stats_dot=stats_dot)
 
-    from flashbob.kernels.backward import _delta_kernel, _dkdv_kernel, _dq_kernel
-    from flashbob.kernels.bob import _bob_columns_kernel, _bob_rows_kernel
-    from flashbob.kernels.forward import _forward_kernel
-    from flashbob.kernels.jvp import _dk_dot_dv_dot_kernel, _dq_dot_kernel, _o_dot_kernel, _row_scalars_kernel
-
-    passes = {  # each pass's host function and the kernels it launches
-        "forward": (forward, (_forward_kernel,)),
-        "backward": (backward, (_dq_kernel, _dkdv_kernel)),
-        "bob": (bob, (_bob_rows_kernel, _bob_columns_kernel)),
-        "forward_jvp": (forward_jvp, (_o_dot_kernel,)),
-        "backward_jvp": (backward_jvp, (_row_scalars_kernel, _delta_kernel, _dq_dot_kernel, _dk_dot_dv_dot_kernel)),
-    }
+    passes = {"forward": forward, "backward": backward, "bob": bob, "forward_jvp": forward_jvp,
+              "backward_jvp": backward_jvp}
     operators = {}
-    for name, (host, launched) in passes.items():
-        qualified = f"flashbob::triton_{name}"
-        if tracing.interpreted():
-            operators[name] = torch.library.custom_op(qualified, host, mutates_args=())
-            operators[name].register_fake(host)
-        else:
-            operators[name] = torch.library.triton_op(qualified, host, mutates_args=())
-            _name_kernels(qualified, launched)
+    for name, host in passes.items():
+        operators[name] = torch.library.custom_op(f"flashbob::triton_{name}", host, mutates_args=())
+        operators[name].register_fake(host)
     _differentiable_once(operators["forward"], operators["backward"])
     return operators
-
-
-def _name_kernels(qualified: str, launched: tuple) -> None:
-    """Record the kernels that the Triton operator ``qualified`` launches where torch.compile's AOTAutograd cache
-    looks for them (a private registry of torch): the cache hashes their source into its key, so that a changed
-    kernel is compiled again. torch finds them itself only where the operator's own source calls ``wrap_triton`` on
-    them, and here :func:`flashbob.kernels.configs.launch` does. A torch without that registry records nothing."""
-    registry = getattr(torch._library.triton, "triton_ops_to_kernels", None)
-    if registry is not None:
-        registry[qualified] = list(launched)
 
 
 #: The kernels' operators by pass, registered at import where the kernels can run (:func:`kernels_run`), so that
