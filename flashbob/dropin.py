@@ -194,7 +194,10 @@ def _autocast(*tensors):
     if not isinstance(query, torch.Tensor):
         return tensors
     device = query.device.type
-    if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
+    # cpu and cuda have autocast; asked only for other devices, since torch 2.11's Dynamo cannot trace the question
+    if device not in ("cpu", "cuda") and not torch.amp.is_autocast_available(device):
+        return tensors
+    if not torch.is_autocast_enabled(device):
         return tensors
     dtype = torch.get_autocast_dtype(device)
     return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64

@@ -20,6 +20,7 @@ from tests.helpers import (
     assert_matches,
     attention_inputs,
     exact_tolerance,
+    needs_interpreter,
     needs_kernels,
     on_backend,
     relative_error,
@@ -153,7 +154,6 @@ import json, sys
 import torch
 from flashbob import kernels, reference
 from flashbob.kernels import configs, tuning
-from tests.helpers import assert_matches, attention_inputs, exact_tolerance, needs_kernels, on_backend
 gpu, flags, config = sys.argv[1], json.loads(sys.argv[2]), tuple(json.loads(sys.argv[3]))
 key = configs.tuning_key("bob_q_bar", 128, torch.bfloat16, 4096, {"HEAD_DIM": 128, "BLOCK_D": 128, **flags})
 for _ in range(500):
@@ -654,6 +654,7 @@ def test_nothing_tunes_by_default_on_an_unknown_sm90_gpu(tmp_path, monkeypatch):
             assert row["source"] == ("arch_table" if listed else "default"), name
 
 
+@needs_interpreter  # a pretend GPU launching on CPU tensors: the interpreter runs them
 def test_tune_stores_the_picks_in_the_cache(folders, monkeypatch, capsys):
     """flashbob.tune on a (pretend) GPU: every kernel of the reverse and forward-mode passes at the shape is tuned
     (each candidate timed once, the fastest launched) and stored in the user's cache, whatever the shipped tables
