@@ -185,10 +185,11 @@ def row_dot_products(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     r""":math:`x_i \cdot y_i` of every row of two ``(B, H, N, d)`` kernel operands (:func:`~flashbob.kernels.common.operand`
     of the same dtype), ``(B, H, N)`` in the accumulator dtype; e.g. :math:`\Delta = \mathrm{rowsum}(O \circ dO)`."""
     batch, heads, n, head_dim = x.shape
+    head_dim = int(head_dim)  # a compile-time constant: a symbolic head_dim (torch.compile) is specialised
     out = torch.empty(x.shape[:3], dtype=common.accumulator_dtype(x.dtype), device=x.device)
     configs.launch(
         "delta", _delta_kernel, common.row_grid(n, batch * heads), *common.with_strides(x, y), out, heads, n,
-        head_dim=head_dim, dtype=x.dtype, length=n, HEAD_DIM=head_dim, BLOCK_D=common.head_dim_block(int(head_dim)),
+        head_dim=head_dim, dtype=x.dtype, length=n, HEAD_DIM=head_dim, BLOCK_D=common.head_dim_block(head_dim),
     )
     return out
 

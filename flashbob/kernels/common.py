@@ -509,7 +509,7 @@ def check_shaped_like(*named: tuple[str, torch.Tensor | None, torch.Tensor]) -> 
 def kernel_constants(q: torch.Tensor, causal: bool, allow_tf32: bool, has_key_mask: bool, **flags: bool) -> dict:
     """The compile-time arguments of every attention kernel for inputs like ``q``, plus ``flags``
     (which cotangents or tangents are present)."""
-    head_dim = q.shape[-1]
-    return dict(HEAD_DIM=head_dim, BLOCK_D=head_dim_block(int(head_dim)), CAUSAL=causal,
+    head_dim = int(q.shape[-1])  # a compile-time constant: a symbolic head_dim (torch.compile) is specialised
+    return dict(HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), CAUSAL=causal,
                 PRECISION=dot_precision(q.dtype, allow_tf32), HAS_KEY_MASK=has_key_mask, **flags)
 
