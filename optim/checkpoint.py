@@ -33,8 +33,8 @@ run are restored for each recomputation, so every run computes the same function
 updated once. Parameters and buffers are swapped by :func:`optim.swap.swapped`, so a module registered more
 than once or shared by two parents, and weights tied across modules, stay as they were. A module whose output
 is (a view of) one of its inputs or parameters runs plainly, so that the output stays an alias as without
-checkpointing; the caller may modify any output in place. Under ``torch.no_grad`` it is ``module(*inputs)``: there is no backward to recompute for; under
-``torch.func`` transforms too, with a warning (its Function has no functorch rules).
+checkpointing; the caller may modify any output in place. Under ``torch.no_grad`` it is ``module(*inputs)``:
+there is no backward to recompute for; under ``torch.func`` transforms too, with a warning (its Function has no functorch rules).
 
 Refused with an error rather than computed wrong: a module that modifies one of its inputs in place (the
 recomputation would start from the modified value), one that uses a tensor requiring grad that is neither an
@@ -93,9 +93,10 @@ class _Run:
         recomputations (grad enabled, the same tangents and, in reverse mode, the same tensors requiring grad), so
         that a module that branches on them calls the same operations (and attention) in both; keeps the buffers
         it changes and the attention outputs. Returns the output and its tangent, detached (the graph recorded is
-        dropped), or ``(None, None)`` with the module's buffers and the random-number state as before it ran where the
-        output is (a view of) an input or a parameter. In forward mode no tensor requires grad: a graph recorded with tangents would hold itself (saved
-        outputs keep their tangents, whose graph leads back) until a backward this run never gets."""
+        dropped), or ``(None, None)``, with the module's buffers and the random-number state as before it ran, where
+        the output is (a view of) an input or a parameter. In forward mode no tensor requires grad: a graph recorded
+        with tangents would hold itself (saved outputs keep their tangents, whose graph leads back) until a backward
+        this run never gets."""
         record = self.tangents is None
         tensors = [t.detach().requires_grad_() if t.requires_grad and record else t.detach() for t in primals]
         # the inputs that require grad as non-leaf copies: a module that changes one in place is refused below,
