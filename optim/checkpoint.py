@@ -34,7 +34,8 @@ updated once. Parameters and buffers are swapped by :func:`optim.swap.swapped`, 
 than once or shared by two parents, and weights tied across modules, stay as they were. A module whose output
 is (a view of) one of its inputs or parameters runs plainly, so that the output stays an alias as without
 checkpointing; the caller may modify any output in place. Under ``torch.no_grad`` it is ``module(*inputs)``:
-there is no backward to recompute for; under ``torch.func`` transforms too, with a warning (its Function has no functorch rules).
+there is no backward to recompute for; under ``torch.func`` transforms too, with a warning (its Function has no
+functorch rules).
 
 Refused with an error rather than computed wrong: a module that modifies one of its inputs in place (the
 recomputation would start from the modified value), one that uses a tensor requiring grad that is neither an

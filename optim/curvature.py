@@ -122,8 +122,8 @@ def functional(
     submodule registered more than once is swapped once, buffers are the module's own) and returns what
     ``fn`` returns; the module holds its own parameters again afterwards. ``torch.compile``'d code in
     ``fn`` runs eagerly (:mod:`optim.compiled`): a compiled graph cannot be differentiated twice. This
-    is the form ``mode="forward"`` needs: it runs the model again with tangents attached to the values. ``fn`` must be deterministic (no dropout) for the products to be those of
-    one matrix, and must reach the parameters through ``module``: a tensor it captured before
+    is the form ``mode="forward"`` needs: it runs the model again with tangents attached to the values.
+    ``fn`` must be deterministic (no dropout) for the products to be those of one matrix, and must reach the parameters through ``module``: a tensor it captured before
     (``w = model.weight; lambda: f(x @ w)``) is not replaced, so its derivatives would be zero. The first
     call with other values, per module and per place in the code that makes ``fn``, runs ``fn`` under a
     watch (a ``TorchFunctionMode``: host time on every torch call, hence once) that refuses such a tensor.
