@@ -14,6 +14,7 @@ import torch
 from flashbob import operators
 from flashbob.autograd import Attention, apply
 from flashbob.inputs import BackendName, check_backend, check_inputs, check_key_mask, check_options
+from flashbob.masks import check_document_ids, check_window
 
 
 @dataclass(frozen=True)
@@ -30,10 +31,11 @@ class Backend:
     backward_jvp: Callable
 
 
-BLOCKED = Backend("blocked", *(operators.BLOCKED[name] for name in operators.PASSES))
+BLOCKED = Backend("blocked", *(operators.with_window(operators.BLOCKED[name]) for name in operators.PASSES))
 #: The kernels' operators with ``allow_tf32`` bound, by its value; none where the kernels cannot run.
 TRITON = {
-    allow_tf32: Backend("triton", *(functools.partial(operators.KERNELS[name], allow_tf32=allow_tf32)
+    allow_tf32: Backend("triton", *(operators.with_window(functools.partial(operators.KERNELS[name],
+                                                                            allow_tf32=allow_tf32))
                                     for name in operators.PASSES))
     for allow_tf32 in ((False, True) if operators.KERNELS else ())
 }
@@ -76,8 +78,10 @@ def attention(
     *,
     causal: bool = False,
     scale: float | None = None,
-    backend: BackendName = "auto",
+    window: tuple[int | None, int | None] | None = None,
+    document_ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
     key_mask: torch.Tensor | None = None,
+    backend: BackendName = "auto",
 ) -> torch.Tensor:
     r"""Softmax attention that can be differentiated twice, exactly and without an ``N x M`` tensor.
 
@@ -89,12 +93,19 @@ def attention(
             (grouped-query attention: query head ``h`` reads kv head ``h // (heads // kv_heads)``).
         v: values, shaped like ``k``.
         causal: query ``i`` sees key ``j`` iff ``j <= i`` (top-left aligned, as SDPA's ``is_causal``).
+        window: ``(left, right)``: query ``i`` sees key ``j`` iff ``i - left <= j <= i + right`` (top-left aligned),
+            each bound an int >= 0 or None (unbounded); ``(4095, 0)`` is a causal sliding window of 4096 keys.
+        document_ids: packed sequences: an integer ``(batch, N)`` tensor for self-attention, or a pair
+            ``(q_ids (batch, N), k_ids (batch, M))``; query ``i`` sees key ``j`` only where the ids are equal.
         scale: softmax scale :math:`\tau`, a finite number (zero and negative are allowed); ``None``
             means ``1 / sqrt(head_dim)``.
         backend: ``"auto"`` (Triton kernels on CUDA, blocked PyTorch elsewhere), ``"triton"`` or ``"blocked"``.
         key_mask: optional bool key-padding mask broadcastable to ``(batch, M)``, True where a key takes
-            part (combines with ``causal``). Masked keys get zero ``dK``, ``dV``; a query that sees no
-            key at all gets a zero output row and zero gradients (never NaN).
+            part. Masked keys get zero ``dK``, ``dV``.
+
+        The masks combine by AND (:mod:`flashbob.masks`). A query that sees no key at all gets a zero output row
+        and zero gradients (never NaN). The passes skip the blocks that no query of a block sees, so the cost
+        follows the visible area, and memory stays linear in the sequence length.
 
     Returns:
         ``O``, shaped and typed like ``q``. Its backward, taken with ``create_graph=True``, is
@@ -113,12 +124,15 @@ def attention(
     """
     check_inputs(q, k, v)
     check_options(causal, scale)
+    window = check_window(window)
+    q_ids, k_ids = check_document_ids(document_ids, q, k)
     key_mask = check_key_mask(key_mask, q, k)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     chosen = select_backend(q, backend)
     if torch.compiler.is_compiling():  # traced by torch.compile: its operator, differentiable once
-        o, _stats = chosen.forward(q, k, v, key_mask=key_mask, causal=causal, scale=float(scale))
+        o, _stats = chosen.forward(q, k, v, key_mask=key_mask, q_ids=q_ids, k_ids=k_ids, causal=causal, window=window,
+                                   scale=float(scale))
     else:
-        o, _stats = apply(Attention, q, k, v, key_mask, causal, float(scale), chosen)
+        o, _stats = apply(Attention, q, k, v, key_mask, q_ids, k_ids, causal, window, float(scale), chosen)
     return o

@@ -23,8 +23,9 @@ and the backward's tangents (third derivatives), and the forward's tangent diffe
 The forward passes (``Attention``, ``AttentionTangent``) run through :func:`flashbob.kept.through`, so that a
 checkpointed block's recomputation can reuse their outputs from its first run.
 
-The optional boolean key-padding mask ``key_mask`` ``(batch, M)`` is a non-differentiable input
-of every level. All Functions use the ``setup_context`` style and define a ``vmap`` rule that folds
+The masks (:mod:`flashbob.masks`) are non-differentiable inputs of every level: the boolean key-padding mask
+``key_mask`` ``(batch, M)`` and the document ids ``q_ids`` ``(batch, N)``, ``k_ids`` ``(batch, M)`` as tensors
+(batched with the inputs under vmap), ``causal`` and ``window`` as options. All Functions use the ``setup_context`` style and define a ``vmap`` rule that folds
 the vmapped dimension into the batch dimension, so ``torch.func.grad``, ``vjp``, ``jacrev``,
 ``jacfwd`` and ``vmap`` (over any argument, e.g. per-sample gradients) compose with them.
 """
@@ -156,39 +157,46 @@ def apply(function: type[torch.autograd.Function], *args):
     return super(torch.autograd.Function, function).apply(*torch._functorch.utils.unwrap_dead_wrappers(args))
 
 
+def _masks(key_mask, q_ids, k_ids, causal: bool, window) -> dict:
+    """The mask arguments of a backend's pass (:mod:`flashbob.masks`)."""
+    return dict(key_mask=key_mask, q_ids=q_ids, k_ids=k_ids, causal=causal, window=window)
+
+
 class Attention(torch.autograd.Function):
     """``(Q, K, V) -> (O, stats)``; ``stats`` (the backend's softmax row statistics: lse for the blocked
     backend, row max and log-sum for the kernels) is returned only so it can be saved."""
 
     @staticmethod
     @_legacy_vmap_support
-    def forward(q, k, v, key_mask, causal: bool, scale: float, backend):
-        return kept.through("forward", (q, k, v, key_mask, causal, scale, backend),
-                            lambda: backend.forward(q, k, v, causal=causal, scale=scale, key_mask=key_mask))
+    def forward(q, k, v, key_mask, q_ids, k_ids, causal: bool, window, scale: float, backend):
+        return kept.through("forward", (q, k, v, key_mask, q_ids, k_ids, causal, window, scale, backend),
+                            lambda: backend.forward(q, k, v, scale=scale, **_masks(key_mask, q_ids, k_ids, causal,
+                                                                                  window)))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, key_mask, ctx.causal, ctx.scale, ctx.backend = inputs
+        q, k, v, key_mask, q_ids, k_ids, ctx.causal, ctx.window, ctx.scale, ctx.backend = inputs
         o, stats = output
         ctx.set_materialize_grads(False)  # absent tangents stay None: the backends skip them
-        ctx.save_for_backward(q, k, v, o, stats, key_mask)
-        ctx.save_for_forward(q, k, v, o, stats, key_mask)
+        ctx.save_for_backward(q, k, v, o, stats, key_mask, q_ids, k_ids)
+        ctx.save_for_forward(q, k, v, o, stats, key_mask, q_ids, k_ids)
 
     @staticmethod
     def backward(ctx, do, _stats_grad):
         if do is None:  # O's cotangent is absent (zero)
-            return None, None, None, None, None, None, None
-        q, k, v, o, stats, key_mask = ctx.saved_tensors
+            return (None,) * 10
+        q, k, v, o, stats, *masks = ctx.saved_tensors
         dq, dk, dv, _delta = apply(
-            AttentionBackward, q, k, v, do, o, stats, key_mask, ctx.causal, ctx.scale, ctx.backend
+            AttentionBackward, q, k, v, do, o, stats, *masks, ctx.causal, ctx.window, ctx.scale, ctx.backend
         )
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, *(None,) * 7
 
     @staticmethod
     def jvp(ctx, q_dot, k_dot, v_dot, *_):
-        q, k, v, o, stats, key_mask = ctx.saved_tensors
+        q, k, v, o, stats, *masks = ctx.saved_tensors
         return apply(
-            AttentionTangent, q, k, v, o, stats, q_dot, k_dot, v_dot, key_mask, ctx.causal, ctx.scale, ctx.backend
+            AttentionTangent, q, k, v, o, stats, q_dot, k_dot, v_dot, *masks, ctx.causal, ctx.window, ctx.scale,
+            ctx.backend,
         )
 
     @staticmethod
@@ -203,35 +211,35 @@ class AttentionBackward(torch.autograd.Function):
 
     @staticmethod
     @_legacy_vmap_support
-    def forward(q, k, v, do, o, stats, key_mask, causal: bool, scale: float, backend):
-        return backend.backward(q, k, v, o, stats, do, causal=causal, scale=scale, key_mask=key_mask)
+    def forward(q, k, v, do, o, stats, key_mask, q_ids, k_ids, causal: bool, window, scale: float, backend):
+        return backend.backward(q, k, v, o, stats, do, scale=scale, **_masks(key_mask, q_ids, k_ids, causal, window))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, do, o, stats, key_mask, ctx.causal, ctx.scale, ctx.backend = inputs
+        q, k, v, do, o, stats, key_mask, q_ids, k_ids, ctx.causal, ctx.window, ctx.scale, ctx.backend = inputs
         delta = output[3]
         ctx.mark_non_differentiable(delta)
         ctx.set_materialize_grads(False)  # absent cotangents and tangents stay None: the backends skip them
-        ctx.save_for_backward(q, k, v, do, o, stats, delta, key_mask)
-        ctx.save_for_forward(q, k, v, do, o, stats, delta, key_mask)
+        ctx.save_for_backward(q, k, v, do, o, stats, delta, key_mask, q_ids, k_ids)
+        ctx.save_for_forward(q, k, v, do, o, stats, delta, key_mask, q_ids, k_ids)
 
     @staticmethod
     def backward(ctx, dq_bar, dk_bar, dv_bar, _delta_grad):
-        q, k, v, do, o, stats, delta, key_mask = ctx.saved_tensors
+        q, k, v, do, o, stats, delta, *masks = ctx.saved_tensors
         q_bar, k_bar, v_bar, do_bar = apply(
-            BackwardOverBackward, q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, key_mask, ctx.causal, ctx.scale,
-            ctx.backend,
+            BackwardOverBackward, q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, *masks, ctx.causal,
+            ctx.window, ctx.scale, ctx.backend,
         )
-        return q_bar, k_bar, v_bar, do_bar, None, None, None, None, None, None
+        return q_bar, k_bar, v_bar, do_bar, *(None,) * 9
 
     @staticmethod
     def jvp(ctx, q_dot, k_dot, v_dot, do_dot, o_dot, stats_dot, *_):
-        q, k, v, do, o, stats, delta, key_mask = ctx.saved_tensors
+        q, k, v, do, o, stats, delta, *masks = ctx.saved_tensors
         if o_dot is None or stats_dot is None:  # O entered without the forward's tangent: recompute it
             o_dot = stats_dot = None
         dq_dot, dk_dot, dv_dot = apply(
             AttentionBackwardTangent, q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, o_dot, stats_dot,
-            key_mask, ctx.causal, ctx.scale, ctx.backend,
+            *masks, ctx.causal, ctx.window, ctx.scale, ctx.backend,
         )
         return dq_dot, dk_dot, dv_dot, None
 
@@ -268,10 +276,10 @@ class BackwardOverBackward(_Terminal):
 
     @staticmethod
     @_legacy_vmap_support
-    def forward(q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, key_mask, causal, scale, backend):
-        return backend.bob(
-            q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, causal=causal, scale=scale, key_mask=key_mask
-        )
+    def forward(q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, key_mask, q_ids, k_ids, causal, window, scale,
+                backend):
+        return backend.bob(q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, scale=scale,
+                           **_masks(key_mask, q_ids, k_ids, causal, window))
 
 
 class AttentionTangent(_Terminal):
@@ -282,11 +290,12 @@ class AttentionTangent(_Terminal):
 
     @staticmethod
     @_legacy_vmap_support
-    def forward(q, k, v, o, stats, q_dot, k_dot, v_dot, key_mask, causal, scale, backend):
+    def forward(q, k, v, o, stats, q_dot, k_dot, v_dot, key_mask, q_ids, k_ids, causal, window, scale, backend):
         return kept.through(
-            "forward_jvp", (q, k, v, o, stats, q_dot, k_dot, v_dot, key_mask, causal, scale, backend),
-            lambda: backend.forward_jvp(q, k, v, o, stats, q_dot, k_dot, v_dot, causal=causal, scale=scale,
-                                        key_mask=key_mask),
+            "forward_jvp", (q, k, v, o, stats, q_dot, k_dot, v_dot, key_mask, q_ids, k_ids, causal, window, scale,
+                            backend),
+            lambda: backend.forward_jvp(q, k, v, o, stats, q_dot, k_dot, v_dot, scale=scale,
+                                        **_masks(key_mask, q_ids, k_ids, causal, window)),
         )
 
 
@@ -297,9 +306,9 @@ class AttentionBackwardTangent(_Terminal):
 
     @staticmethod
     @_legacy_vmap_support
-    def forward(q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, o_dot, stats_dot, key_mask, causal, scale,
-                backend):
+    def forward(q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, o_dot, stats_dot, key_mask, q_ids, k_ids,
+                causal, window, scale, backend):
         return backend.backward_jvp(
-            q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, causal=causal, scale=scale, key_mask=key_mask,
-            o_dot=o_dot, stats_dot=stats_dot,
+            q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, o_dot=o_dot, stats_dot=stats_dot, scale=scale,
+            **_masks(key_mask, q_ids, k_ids, causal, window),
         )

@@ -26,8 +26,9 @@ in float32, where ``lse`` is rounded by ~1e-3) an unnormalised ``P`` makes ``row
 and a component shared by all keys then leaks into ``dQ`` and BoB's outputs. Row sweeps see whole
 rows and compute ``σ`` themselves; column sweeps read the ``σ`` their row sweep stored.
 
-An optional boolean key-padding mask ``key_mask`` ``(batch, M)`` (True = keep) sets the scores of
-masked keys to ``-inf``. A row that sees no key gets ``lse = +inf`` (so that every later
+The masks (``causal``, ``window``, document ids ``q_ids``/``k_ids``, the key-padding mask ``key_mask``; see
+:mod:`flashbob.masks`) set the scores of hidden entries to ``-inf``, and a panel spans only the keys (or queries)
+that some row (or column) of it may see. A row that sees no key gets ``lse = +inf`` (so that every later
 ``P = exp(S - lse)`` is 0) and ``σ = 1``: its output and all its gradients are exactly zero.
 """
 
@@ -39,6 +40,7 @@ import torch
 from einops import rearrange
 
 from flashbob.inputs import accumulator_dtype, check_forward_tangents
+from flashbob.masks import Mask, band
 
 #: Largest number of score-matrix elements (summed over batch and heads) one panel may hold.
 PANEL_ELEMENTS = 1 << 22
@@ -85,15 +87,12 @@ def _sum_group(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return x.sum(dim=2).to(like.dtype)
 
 
-def _scores(q, k, rows: slice, cols: slice, causal: bool, scale: float, key_mask=None) -> torch.Tensor:
-    """Scaled scores ``τ Q[rows] K[cols]ᵀ`` of one panel, ``-inf`` where the causal or key mask hides a key."""
+def _scores(q, k, rows: slice, cols: slice, scale: float, mask: Mask) -> torch.Tensor:
+    """Scaled scores ``τ Q[rows] K[cols]ᵀ`` of one panel, ``-inf`` where the mask hides a key."""
     s = scale * q[..., rows, :] @ k[..., cols, :].transpose(-1, -2)
-    if causal:
-        i = torch.arange(rows.start, rows.stop, device=s.device)[:, None]
-        j = torch.arange(cols.start, cols.stop, device=s.device)[None, :]
-        s = s.masked_fill(j > i, float("-inf"))
-    if key_mask is not None:
-        s = s.masked_fill(~key_mask[:, None, None, None, cols], float("-inf"))
+    keep = mask.visible(rows, cols, s.device)
+    if keep is not None:
+        s = s.masked_fill(~keep[:, None, None], float("-inf"))
     return s
 
 
@@ -107,19 +106,11 @@ def _probabilities(s: torch.Tensor, lse: torch.Tensor, sigma: torch.Tensor | Non
     return p / sigma[..., None], sigma
 
 
-def _key_mask(key_mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
-    """The ``(batch, M)`` boolean key mask on ``q``'s device, or None."""
-    return None if key_mask is None else key_mask.to(device=q.device, dtype=torch.bool)
-
-
-def _visible_keys(rows: slice, m: int, causal: bool) -> slice:
-    """Keys any query in ``rows`` can see (causal: those up to the panel's last row)."""
-    return slice(0, min(m, rows.stop) if causal else m)
-
-
-def _visible_queries(cols: slice, n: int, causal: bool) -> slice:
-    """Queries that can see any key in ``cols`` (causal: those from the panel's first column)."""
-    return slice(min(cols.start, n) if causal else 0, n)
+def _mask(q, k, causal: bool, window, key_mask, q_ids, k_ids) -> Mask:
+    """The pass's masks (:class:`flashbob.masks.Mask`), on ``q``'s device."""
+    if key_mask is not None:
+        key_mask = key_mask.to(device=q.device, dtype=torch.bool)
+    return Mask(q.shape[2], k.shape[2], band(causal, window), key_mask, q_ids, k_ids)
 
 
 def _panels(length: int, size: int):
@@ -128,31 +119,33 @@ def _panels(length: int, size: int):
 
 
 @_without_autocast
-def forward(q, k, v, *, causal: bool, scale: float, block: int | None = None, key_mask=None):
+def forward(q, k, v, *, causal: bool, scale: float, block: int | None = None, key_mask=None, window=None, q_ids=None,
+            k_ids=None):
     """Attention output ``O = softmax(S) V`` and ``lse = logsumexp_row(S)``, one row panel at a time
     (``lse = +inf`` and ``O = 0`` for rows that see no key)."""
     dtype = accumulator_dtype(q.dtype)
-    key_mask = _key_mask(key_mask, q)
+    mask = _mask(q, k, causal, window, key_mask, q_ids, k_ids)
     kv_heads, n, m = k.shape[1], q.shape[2], k.shape[2]
     qg, kg, vg = _grouped(q, kv_heads, dtype), _kv(k, dtype), _kv(v, dtype)
     o = torch.empty_like(qg)
     lse = torch.empty(qg.shape[:-1], dtype=dtype, device=q.device)
     for rows in _panels(n, panel_size(n, m, qg.shape[:3].numel(), block)):
-        cols = _visible_keys(rows, m, causal)
-        s = _scores(qg, kg, rows, cols, causal, scale, key_mask)
+        cols = mask.keys_seen_by(rows)
+        s = _scores(qg, kg, rows, cols, scale, mask)
         panel_lse = torch.logsumexp(s, dim=-1)
-        if key_mask is not None:  # no visible key: lse = -inf -> +inf, so that P = exp(S - lse) = 0
-            panel_lse = panel_lse.masked_fill(panel_lse == float("-inf"), float("inf"))
+        # no visible key: lse = -inf -> +inf, so that P = exp(S - lse) = 0
+        panel_lse = panel_lse.masked_fill(panel_lse == float("-inf"), float("inf"))
         lse[..., rows] = panel_lse
         o[..., rows, :] = _probabilities(s, lse[..., rows])[0] @ vg[..., cols, :]
     return _ungroup(o, q), rearrange(lse, "b h g n -> b (h g) n")
 
 
 @_without_autocast
-def backward(q, k, v, o, lse, do, *, causal: bool, scale: float, block: int | None = None, key_mask=None):
+def backward(q, k, v, o, lse, do, *, causal: bool, scale: float, block: int | None = None, key_mask=None, window=None,
+             q_ids=None, k_ids=None):
     """First backward ``(dQ, dK, dV, Δ)``: ``dV = Pᵀ dO``, ``dQ = τ dS K``, ``dK = τ dSᵀ Q``."""
     dtype = accumulator_dtype(q.dtype)
-    key_mask = _key_mask(key_mask, q)
+    mask = _mask(q, k, causal, window, key_mask, q_ids, k_ids)
     kv_heads, n, m = k.shape[1], q.shape[2], k.shape[2]
     qg, kg, vg = _grouped(q, kv_heads, dtype), _kv(k, dtype), _kv(v, dtype)
     dog, og = _grouped(do, kv_heads, dtype), _grouped(o, kv_heads, dtype)
@@ -162,8 +155,8 @@ def backward(q, k, v, o, lse, do, *, causal: bool, scale: float, block: int | No
     dk = torch.zeros(qg.shape[:2] + kg.shape[2:], dtype=dtype, device=q.device)
     dv = torch.zeros_like(dk)
     for rows in _panels(n, panel_size(n, m, qg.shape[:3].numel(), block)):
-        cols = _visible_keys(rows, m, causal)
-        p, _ = _probabilities(_scores(qg, kg, rows, cols, causal, scale, key_mask), lseg[..., rows])
+        cols = mask.keys_seen_by(rows)
+        p, _ = _probabilities(_scores(qg, kg, rows, cols, scale, mask), lseg[..., rows])
         dp = dog[..., rows, :] @ vg[..., cols, :].transpose(-1, -2)
         ds = p * (dp - delta[..., rows, None])
         dq[..., rows, :] = scale * ds @ kg[..., cols, :]
@@ -189,7 +182,7 @@ def _dual_scores(q, k, u_bar, w_bar, rows: slice, cols: slice, scale: float):
     return scale * sum(terms) if terms else None
 
 
-def _bob_panel(t: dict, rows: slice, cols: slice, causal: bool, scale: float):
+def _bob_panel(t: dict, rows: slice, cols: slice, scale: float):
     """One panel of BoB: ``P``, ``dS``, ``G_S``, ``P ∘ Ā`` (None if ``Ā`` is absent), ``A``, ``C`` and ``σ``.
 
     ``A``, ``C`` and the row sums ``σ`` are taken from ``t`` when present (pass 2 reads what pass 1
@@ -199,7 +192,7 @@ def _bob_panel(t: dict, rows: slice, cols: slice, causal: bool, scale: float):
         G_S  = P ∘ ((dP - Δ) ∘ Ā - A dP + B̄ - C)
     """
     sigma = t["sigma"][..., rows] if "sigma" in t else None
-    scores = _scores(t["q"], t["k"], rows, cols, causal, scale, t["key_mask"])
+    scores = _scores(t["q"], t["k"], rows, cols, scale, t["mask"])
     p, sigma = _probabilities(scores, t["lse"][..., rows], sigma)
     delta = t["delta"][..., rows, None]
     dp = t["do"][..., rows, :] @ t["v"][..., cols, :].transpose(-1, -2)
@@ -226,7 +219,7 @@ def _bob_panel(t: dict, rows: slice, cols: slice, causal: bool, scale: float):
 @_without_autocast
 def bob(
     q, k, v, do, o, lse, delta, dq_bar, dk_bar, dv_bar, *, causal: bool, scale: float, block: int | None = None,
-    key_mask=None,
+    key_mask=None, window=None, q_ids=None, k_ids=None,
 ):
     """Backward-over-backward: the cotangents ``(Q̄, K̄, V̄, dŌ)`` of ``(Q, K, V, dO)``.
 
@@ -247,15 +240,16 @@ def bob(
         "lse": _grouped(lse, kv_heads, dtype), "delta": _grouped(delta, kv_heads, dtype),
         "u_bar": _grouped(dq_bar, kv_heads, dtype),
         "k": _kv(k, dtype), "v": _kv(v, dtype), "w_bar": _kv(dk_bar, dtype), "z_bar": _kv(dv_bar, dtype),
-        "key_mask": _key_mask(key_mask, q),
+        "mask": _mask(q, k, causal, window, key_mask, q_ids, k_ids),
     }
+    mask = t["mask"]
     og = _grouped(o, kv_heads, dtype)
     q_bar, do_bar = torch.zeros_like(t["q"]), torch.zeros_like(t["do"])
     a, c, sigma = (torch.empty_like(t["delta"]) for _ in range(3))
     batch_heads = t["q"].shape[:3].numel()
     for rows in _panels(n, panel_size(n, m, batch_heads, block)):
-        cols = _visible_keys(rows, m, causal)
-        p, ds, g_s, p_a_bar, a[..., rows], c[..., rows], sigma[..., rows] = _bob_panel(t, rows, cols, causal, scale)
+        cols = mask.keys_seen_by(rows)
+        p, ds, g_s, p_a_bar, a[..., rows], c[..., rows], sigma[..., rows] = _bob_panel(t, rows, cols, scale)
         q_bar[..., rows, :] = g_s @ t["k"][..., cols, :]
         if t["w_bar"] is not None:
             q_bar[..., rows, :] += ds @ t["w_bar"][..., cols, :]
@@ -269,8 +263,8 @@ def bob(
     k_bar = torch.zeros(t["q"].shape[:2] + t["k"].shape[2:], dtype=dtype, device=q.device)
     v_bar = torch.zeros_like(k_bar)
     for cols in _panels(m, panel_size(m, n, batch_heads, block)):
-        rows = _visible_queries(cols, n, causal)
-        p, ds, g_s, p_a_bar, a_panel, _, _ = _bob_panel(t, rows, cols, causal, scale)
+        rows = mask.queries_seeing(cols)
+        p, ds, g_s, p_a_bar, a_panel, _, _ = _bob_panel(t, rows, cols, scale)
         k_panel = g_s.transpose(-1, -2) @ t["q"][..., rows, :]
         if t["u_bar"] is not None:
             k_panel += ds.transpose(-1, -2) @ t["u_bar"][..., rows, :]
@@ -297,18 +291,18 @@ def _part(x, index: slice):
     return None if x is None else x[..., index, :]
 
 
-def _tangent_inputs(q, k, v, lse, q_dot, k_dot, v_dot, key_mask) -> dict:
+def _tangent_inputs(q, k, v, lse, q_dot, k_dot, v_dot, mask: Mask) -> dict:
     """The grouped compute-dtype operands shared by both JVPs (see :func:`_grouped`, :func:`_kv`)."""
     dtype, kv_heads = accumulator_dtype(q.dtype), k.shape[1]
     return {
         "q": _grouped(q, kv_heads, dtype), "q_dot": _grouped(q_dot, kv_heads, dtype),
         "lse": _grouped(lse, kv_heads, dtype),
         "k": _kv(k, dtype), "k_dot": _kv(k_dot, dtype), "v": _kv(v, dtype), "v_dot": _kv(v_dot, dtype),
-        "key_mask": _key_mask(key_mask, q),
+        "mask": mask,
     }
 
 
-def _tangent_panel(t: dict, rows: slice, cols: slice, causal: bool, scale: float):
+def _tangent_panel(t: dict, rows: slice, cols: slice, scale: float):
     """``P``, ``σ``, ``ṙ`` and ``Ṗ = P ∘ (Ṡ - ṙ)`` (the tangent of ``P``) of one panel, with
     ``Ṡ = τ (Q̇ Kᵀ + Q K̇ᵀ)`` and ``ṙ = rowsum(P ∘ Ṡ)``; ``Ṗ`` is None (and ``ṙ = 0``) when ``Q̇`` and
     ``K̇`` are absent.
@@ -317,7 +311,7 @@ def _tangent_panel(t: dict, rows: slice, cols: slice, causal: bool, scale: float
     stored) and computed from the panel otherwise (row sweeps see whole rows). Masked entries have
     ``P = 0``, so the value of ``Ṡ`` there does not matter.
     """
-    scores = _scores(t["q"], t["k"], rows, cols, causal, scale, t["key_mask"])
+    scores = _scores(t["q"], t["k"], rows, cols, scale, t["mask"])
     p, sigma = _probabilities(scores, t["lse"][..., rows], t["sigma"][..., rows] if "sigma" in t else None)
     s_dot = _dual_scores(t["q"], t["k"], t["q_dot"], t["k_dot"], rows, cols, scale)
     if s_dot is None:
@@ -333,7 +327,8 @@ def _output_tangent(t: dict, p, p_dot, cols: slice):
 
 @_without_autocast
 def forward_jvp(
-    q, k, v, o, lse, q_dot, k_dot, v_dot, *, causal: bool, scale: float, block: int | None = None, key_mask=None
+    q, k, v, o, lse, q_dot, k_dot, v_dot, *, causal: bool, scale: float, block: int | None = None, key_mask=None,
+    window=None, q_ids=None, k_ids=None,
 ):
     """Tangent ``Ȯ`` of the attention output for tangents ``Q̇, K̇, V̇`` of ``Q, K, V`` (each possibly None = zero).
 
@@ -349,13 +344,14 @@ def forward_jvp(
     """
     if q_dot is None and k_dot is None and v_dot is None:
         return torch.zeros_like(q), torch.zeros_like(lse)
-    t = _tangent_inputs(q, k, v, lse, q_dot, k_dot, v_dot, key_mask)
+    mask = _mask(q, k, causal, window, key_mask, q_ids, k_ids)
+    t = _tangent_inputs(q, k, v, lse, q_dot, k_dot, v_dot, mask)
     n, m = q.shape[2], k.shape[2]
     o_dot = torch.zeros_like(t["q"])
     lse_dot = torch.zeros_like(t["lse"])
     for rows in _panels(n, panel_size(n, m, t["q"].shape[:3].numel(), block)):
-        cols = _visible_keys(rows, m, causal)
-        p, _, lse_dot[..., rows], p_dot = _tangent_panel(t, rows, cols, causal, scale)
+        cols = mask.keys_seen_by(rows)
+        p, _, lse_dot[..., rows], p_dot = _tangent_panel(t, rows, cols, scale)
         o_dot[..., rows, :] = _output_tangent(t, p, p_dot, cols)
     return _ungroup(o_dot, q), rearrange(lse_dot, "b h g n -> b (h g) n").to(lse.dtype)
 
@@ -382,7 +378,8 @@ def _row_dots(do, o_dot, do_dot, o):
 @_without_autocast
 def backward_jvp(
     q, k, v, do, o, lse, delta, q_dot, k_dot, v_dot, do_dot, *, causal: bool, scale: float,
-    block: int | None = None, key_mask=None, o_dot=None, stats_dot=None,
+    block: int | None = None, key_mask=None, o_dot=None, stats_dot=None, window=None, q_ids=None,
+    k_ids=None,
 ):
     """Tangents ``(dQ̇, dK̇, dV̇)`` of the first backward ``(Q, K, V, dO) -> (dQ, dK, dV)`` (forward-over-reverse).
 
@@ -409,7 +406,8 @@ def backward_jvp(
     if q_dot is None and k_dot is None and v_dot is None and do_dot is None and o_dot is None:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dtype, kv_heads, n, m = accumulator_dtype(q.dtype), k.shape[1], q.shape[2], k.shape[2]
-    t = _tangent_inputs(q, k, v, lse, q_dot, k_dot, v_dot, key_mask)
+    mask = _mask(q, k, causal, window, key_mask, q_ids, k_ids)
+    t = _tangent_inputs(q, k, v, lse, q_dot, k_dot, v_dot, mask)
     t.update(
         do=_grouped(do, kv_heads, dtype), do_dot=_grouped(do_dot, kv_heads, dtype),
         delta=_grouped(delta, kv_heads, dtype),
@@ -422,8 +420,8 @@ def backward_jvp(
         t["r_dot"] = _grouped(stats_dot, kv_heads, dtype)
         delta_dot = _row_dots(t["do"], _grouped(o_dot, kv_heads, dtype), t["do_dot"], og)
     for rows in _panels(n, panel_size(n, m, batch_heads, block)):
-        cols = _visible_keys(rows, m, causal)
-        p, sigma[..., rows], r_dot[..., rows], p_dot = _tangent_panel(t, rows, cols, causal, scale)
+        cols = mask.keys_seen_by(rows)
+        p, sigma[..., rows], r_dot[..., rows], p_dot = _tangent_panel(t, rows, cols, scale)
         if o_dot is None:
             panel_o_dot = _output_tangent(t, p, p_dot, cols)
             delta_dot[..., rows] = _row_dots(
@@ -435,8 +433,8 @@ def backward_jvp(
     dk_dot = torch.zeros(t["q"].shape[:2] + t["k"].shape[2:], dtype=dtype, device=q.device)
     dv_dot = torch.zeros_like(dk_dot)
     for cols in _panels(m, panel_size(m, n, batch_heads, block)):
-        rows = _visible_queries(cols, n, causal)
-        p, _, _, p_dot = _tangent_panel(t, rows, cols, causal, scale)
+        rows = mask.queries_seeing(cols)
+        p, _, _, p_dot = _tangent_panel(t, rows, cols, scale)
         ds, ds_dot = _score_gradient_tangent(t, rows, cols, p, p_dot, delta_dot[..., rows])
         k_panel = _total(
             ds_dot.transpose(-1, -2) @ t["q"][..., rows, :], _matmul(ds.transpose(-1, -2), _part(t["q_dot"], rows))

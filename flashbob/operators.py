@@ -3,8 +3,10 @@ implementation, so that torch.compile puts attention into its graphs.
 
 The passes are ``forward``, ``backward``, ``bob`` (backward-over-backward), ``forward_jvp`` and ``backward_jvp``;
 each operator takes its pass's arguments in the order of the backends' functions, keyword arguments included:
-tensors, optional tensors (``None``: an absent, zero cotangent or tangent; no key mask; for ``backward_jvp``, no
-forward tangents ``o_dot``, ``stats_dot``), ``causal``, ``scale`` and, for the kernels, ``allow_tf32``.
+tensors, optional tensors (``None``: an absent, zero cotangent or tangent; for ``backward_jvp``, no forward tangents
+``o_dot``, ``stats_dot``), then the masks (:mod:`flashbob.masks`: ``key_mask``, the document ids ``q_ids``,
+``k_ids``, ``causal``, the window as ``window_left``, ``window_right``), ``scale`` and, for the kernels,
+``allow_tf32``. :func:`with_window` calls them with ``window=(left, right)`` as the backends' functions take it.
 
 * The blocked backend's passes are opaque custom operators (:func:`torch.library.custom_op`) with contiguous
   outputs; their fake implementations give the outputs' shapes and dtypes.
@@ -47,81 +49,107 @@ def _contiguous(outputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     return tuple(x.contiguous() for x in outputs)
 
 
+def _masks(key_mask: Optional[Tensor], q_ids: Optional[Tensor], k_ids: Optional[Tensor], causal: bool,
+           window_left: Optional[int], window_right: Optional[int]) -> dict:
+    """The masks as a backend's pass takes them (:mod:`flashbob.masks`)."""
+    window = None if window_left is None and window_right is None else (window_left, window_right)
+    return dict(key_mask=key_mask, q_ids=q_ids, k_ids=k_ids, causal=causal, window=window)
+
+
+def with_window(operator):
+    """``operator`` called as the backends' functions are, with ``window=(left, right)`` (or None) where the
+    operator takes ``window_left`` and ``window_right``."""
+
+    def call(*args, window=None, **kwargs):
+        left, right = window if window is not None else (None, None)
+        return operator(*args, window_left=left, window_right=right, **kwargs)
+
+    return call
+
+
 def _differentiable_once(forward, backward) -> None:
-    """Register the gradient of a forward operator ``(q, k, v, key_mask, *options) -> (o, stats)``: its ``backward``
-    operator's ``(dq, dk, dv)`` for the cotangent of ``o`` (``stats`` is not differentiable)."""
+    """Register the gradient of a forward operator ``(q, k, v, key_mask, q_ids, k_ids, *options) -> (o, stats)``:
+    its ``backward`` operator's ``(dq, dk, dv)`` for the cotangent of ``o`` (``stats`` is not differentiable)."""
 
     def setup_context(ctx, inputs, output):
-        q, k, v, key_mask, *ctx.options = inputs
+        q, k, v, *masks = inputs[:6]
+        ctx.options = inputs[6:]
         o, stats = output
         ctx.mark_non_differentiable(stats)
-        ctx.save_for_backward(q, k, v, o, stats, key_mask)
+        ctx.save_for_backward(q, k, v, o, stats, *masks)
 
     def gradient(ctx, do, _stats_grad):
-        q, k, v, o, stats, key_mask = ctx.saved_tensors
-        dq, dk, dv, _delta = backward(q, k, v, o, stats, do, key_mask, *ctx.options)
-        return dq, dk, dv, None, *(None for _ in ctx.options)
+        q, k, v, o, stats, *masks = ctx.saved_tensors
+        dq, dk, dv, _delta = backward(q, k, v, o, stats, do, *masks, *ctx.options)
+        return dq, dk, dv, None, None, None, *(None for _ in ctx.options)
 
     forward.register_autograd(gradient, setup_context=setup_context)
 
 
 # ----------------------------------------------------------------------------- blocked backend
-
+# Every operator's last arguments are the masks and options: key_mask, q_ids, k_ids, causal, window_left,
+# window_right, scale (and allow_tf32 for the kernels); the fake implementations take them as ``*_``.
 
 @torch.library.custom_op("flashbob::blocked_forward", mutates_args=())
 def blocked_forward(
-    q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], causal: bool, scale: float
+    q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], q_ids: Optional[Tensor], k_ids: Optional[Tensor],
+    causal: bool, window_left: Optional[int], window_right: Optional[int], scale: float,
 ) -> tuple[Tensor, Tensor]:
     """:func:`flashbob.blocked.forward`: ``(o, lse)``."""
-    return _contiguous(blocked.forward(q, k, v, causal=causal, scale=scale, key_mask=key_mask))
+    masks = _masks(key_mask, q_ids, k_ids, causal, window_left, window_right)
+    return _contiguous(blocked.forward(q, k, v, scale=scale, **masks))
 
 
 @blocked_forward.register_fake
-def _(q, k, v, key_mask, causal, scale):
+def _(q, k, v, *_):
     return _empty_like(q), _row_statistic(q)
 
 
 @torch.library.custom_op("flashbob::blocked_backward", mutates_args=())
 def blocked_backward(
-    q: Tensor, k: Tensor, v: Tensor, o: Tensor, stats: Tensor, do: Tensor, key_mask: Optional[Tensor], causal: bool,
-    scale: float,
+    q: Tensor, k: Tensor, v: Tensor, o: Tensor, stats: Tensor, do: Tensor, key_mask: Optional[Tensor],
+    q_ids: Optional[Tensor], k_ids: Optional[Tensor], causal: bool, window_left: Optional[int],
+    window_right: Optional[int], scale: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`flashbob.blocked.backward`: ``(dq, dk, dv, delta)``."""
-    return _contiguous(blocked.backward(q, k, v, o, stats, do, causal=causal, scale=scale, key_mask=key_mask))
+    masks = _masks(key_mask, q_ids, k_ids, causal, window_left, window_right)
+    return _contiguous(blocked.backward(q, k, v, o, stats, do, scale=scale, **masks))
 
 
 @blocked_backward.register_fake
-def _(q, k, v, o, stats, do, key_mask, causal, scale):
+def _(q, k, v, *_):
     return _empty_like(q), _empty_like(k), _empty_like(v), _row_statistic(q)
 
 
 @torch.library.custom_op("flashbob::blocked_bob", mutates_args=())
 def blocked_bob(
     q: Tensor, k: Tensor, v: Tensor, do: Tensor, o: Tensor, stats: Tensor, delta: Tensor, dq_bar: Optional[Tensor],
-    dk_bar: Optional[Tensor], dv_bar: Optional[Tensor], key_mask: Optional[Tensor], causal: bool, scale: float,
+    dk_bar: Optional[Tensor], dv_bar: Optional[Tensor], key_mask: Optional[Tensor], q_ids: Optional[Tensor],
+    k_ids: Optional[Tensor], causal: bool, window_left: Optional[int], window_right: Optional[int], scale: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`flashbob.blocked.bob`: ``(q_bar, k_bar, v_bar, do_bar)``."""
-    return _contiguous(blocked.bob(q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, causal=causal, scale=scale,
-                                   key_mask=key_mask))
+    masks = _masks(key_mask, q_ids, k_ids, causal, window_left, window_right)
+    return _contiguous(blocked.bob(q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, scale=scale, **masks))
 
 
 @blocked_bob.register_fake
-def _(q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, key_mask, causal, scale):
+def _(q, k, v, do, *_):
     return _empty_like(q), _empty_like(k), _empty_like(v), _empty_like(do)
 
 
 @torch.library.custom_op("flashbob::blocked_forward_jvp", mutates_args=())
 def blocked_forward_jvp(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, stats: Tensor, q_dot: Optional[Tensor], k_dot: Optional[Tensor],
-    v_dot: Optional[Tensor], key_mask: Optional[Tensor], causal: bool, scale: float,
+    v_dot: Optional[Tensor], key_mask: Optional[Tensor], q_ids: Optional[Tensor], k_ids: Optional[Tensor],
+    causal: bool, window_left: Optional[int], window_right: Optional[int], scale: float,
 ) -> tuple[Tensor, Tensor]:
     """:func:`flashbob.blocked.forward_jvp`: ``(o_dot, stats_dot)``."""
-    return _contiguous(blocked.forward_jvp(q, k, v, o, stats, q_dot, k_dot, v_dot, causal=causal, scale=scale,
-                                           key_mask=key_mask))
+    masks = _masks(key_mask, q_ids, k_ids, causal, window_left, window_right)
+    return _contiguous(blocked.forward_jvp(q, k, v, o, stats, q_dot, k_dot, v_dot, scale=scale, **masks))
 
 
 @blocked_forward_jvp.register_fake
-def _(q, k, v, o, stats, q_dot, k_dot, v_dot, key_mask, causal, scale):
+def _(q, k, v, o, stats, *_):
     return _empty_like(q), _empty_like(stats)
 
 
@@ -129,15 +157,17 @@ def _(q, k, v, o, stats, q_dot, k_dot, v_dot, key_mask, causal, scale):
 def blocked_backward_jvp(
     q: Tensor, k: Tensor, v: Tensor, do: Tensor, o: Tensor, stats: Tensor, delta: Tensor, q_dot: Optional[Tensor],
     k_dot: Optional[Tensor], v_dot: Optional[Tensor], do_dot: Optional[Tensor], o_dot: Optional[Tensor],
-    stats_dot: Optional[Tensor], key_mask: Optional[Tensor], causal: bool, scale: float,
+    stats_dot: Optional[Tensor], key_mask: Optional[Tensor], q_ids: Optional[Tensor], k_ids: Optional[Tensor],
+    causal: bool, window_left: Optional[int], window_right: Optional[int], scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`flashbob.blocked.backward_jvp`: ``(dq_dot, dk_dot, dv_dot)``."""
-    return _contiguous(blocked.backward_jvp(q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, causal=causal,
-                                            scale=scale, key_mask=key_mask, o_dot=o_dot, stats_dot=stats_dot))
+    masks = _masks(key_mask, q_ids, k_ids, causal, window_left, window_right)
+    return _contiguous(blocked.backward_jvp(q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, o_dot=o_dot,
+                                            stats_dot=stats_dot, scale=scale, **masks))
 
 
 @blocked_backward_jvp.register_fake
-def _(q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, o_dot, stats_dot, key_mask, causal, scale):
+def _(q, k, v, *_):
     return _empty_like(q), _empty_like(k), _empty_like(v)
 
 
@@ -158,41 +188,49 @@ def _kernel_operators() -> dict:
     from flashbob import kernels
 
     def forward(
-        q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], causal: bool, scale: float, allow_tf32: bool
+        q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], q_ids: Optional[Tensor], k_ids: Optional[Tensor],
+        causal: bool, window_left: Optional[int], window_right: Optional[int], scale: float, allow_tf32: bool,
     ) -> tuple[Tensor, Tensor]:
-        return kernels.forward(q, k, v, causal=causal, scale=scale, allow_tf32=allow_tf32, key_mask=key_mask)
+        masks = _masks(key_mask, q_ids, k_ids, causal, window_left, window_right)
+        return kernels.forward(q, k, v, scale=scale, allow_tf32=allow_tf32, **masks)
 
     def backward(
         q: Tensor, k: Tensor, v: Tensor, o: Tensor, stats: Tensor, do: Tensor, key_mask: Optional[Tensor],
-        causal: bool, scale: float, allow_tf32: bool,
+        q_ids: Optional[Tensor], k_ids: Optional[Tensor], causal: bool, window_left: Optional[int],
+        window_right: Optional[int], scale: float, allow_tf32: bool,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        return kernels.backward(q, k, v, o, stats, do, causal=causal, scale=scale, allow_tf32=allow_tf32,
-                                key_mask=key_mask)
+        masks = _masks(key_mask, q_ids, k_ids, causal, window_left, window_right)
+        return kernels.backward(q, k, v, o, stats, do, scale=scale, allow_tf32=allow_tf32, **masks)
 
     def bob(
         q: Tensor, k: Tensor, v: Tensor, do: Tensor, o: Tensor, stats: Tensor, delta: Tensor,
         dq_bar: Optional[Tensor], dk_bar: Optional[Tensor], dv_bar: Optional[Tensor], key_mask: Optional[Tensor],
-        causal: bool, scale: float, allow_tf32: bool,
+        q_ids: Optional[Tensor], k_ids: Optional[Tensor], causal: bool, window_left: Optional[int],
+        window_right: Optional[int], scale: float, allow_tf32: bool,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        return kernels.bob(q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, causal=causal, scale=scale,
-                           allow_tf32=allow_tf32, key_mask=key_mask)
+        masks = _masks(key_mask, q_ids, k_ids, causal, window_left, window_right)
+        return kernels.bob(q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, scale=scale, allow_tf32=allow_tf32,
+                           **masks)
 
     def forward_jvp(
         q: Tensor, k: Tensor, v: Tensor, o: Tensor, stats: Tensor, q_dot: Optional[Tensor], k_dot: Optional[Tensor],
-        v_dot: Optional[Tensor], key_mask: Optional[Tensor], causal: bool, scale: float, allow_tf32: bool,
+        v_dot: Optional[Tensor], key_mask: Optional[Tensor], q_ids: Optional[Tensor], k_ids: Optional[Tensor],
+        causal: bool, window_left: Optional[int], window_right: Optional[int], scale: float, allow_tf32: bool,
     ) -> tuple[Tensor, Tensor]:
-        return kernels.forward_jvp(q, k, v, o, stats, q_dot, k_dot, v_dot, causal=causal, scale=scale,
-                                   key_mask=key_mask, allow_tf32=allow_tf32)
+        masks = _masks(key_mask, q_ids, k_ids, causal, window_left, window_right)
+        return kernels.forward_jvp(q, k, v, o, stats, q_dot, k_dot, v_dot, scale=scale, allow_tf32=allow_tf32,
+                                   **masks)
 
     def backward_jvp(
         q: Tensor, k: Tensor, v: Tensor, do: Tensor, o: Tensor, stats: Tensor, delta: Tensor,
         q_dot: Optional[Tensor], k_dot: Optional[Tensor], v_dot: Optional[Tensor], do_dot: Optional[Tensor],
-        o_dot: Optional[Tensor], stats_dot: Optional[Tensor], key_mask: Optional[Tensor], causal: bool, scale: float,
+        o_dot: Optional[Tensor], stats_dot: Optional[Tensor], key_mask: Optional[Tensor], q_ids: Optional[Tensor],
+        k_ids: Optional[Tensor], causal: bool, window_left: Optional[int], window_right: Optional[int], scale: float,
         allow_tf32: bool,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        return kernels.backward_jvp(q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, causal=causal,
-                                    scale=scale, key_mask=key_mask, allow_tf32=allow_tf32, o_dot=o_dot,
-                                    stats_dot=stats_dot)
+        masks = _masks(key_mask, q_ids, k_ids, causal, window_left, window_right)
+        return kernels.backward_jvp(q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, o_dot=o_dot,
+                                    stats_dot=stats_dot, scale=scale, allow_tf32=allow_tf32, **masks)
 
     passes = {"forward": forward, "backward": backward, "bob": bob, "forward_jvp": forward_jvp,
               "backward_jvp": backward_jvp}

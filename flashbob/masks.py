@@ -1,0 +1,193 @@
+r"""Which keys each query sees: the masks of :func:`flashbob.attention`, their checks, and their host-side forms.
+
+Query :math:`i` sees key :math:`j` where every mask given allows it (the masks combine by AND):
+
+* ``causal``: :math:`j \le i` (top-left aligned);
+* ``window = (left, right)``: :math:`i - \text{left} \le j \le i + \text{right}`, a bound of None being unbounded;
+  ``causal`` is the window ``(None, 0)``, and the two combine into one *band* ``(left, right)``;
+* ``document_ids``: :math:`\text{id}^q_i = \text{id}^k_j` (packed sequences);
+* ``key_mask``: key :math:`j` is kept.
+
+Masks enter the attention formulas only through :math:`P`: a hidden entry has :math:`S_{ij} = -\infty`, so
+:math:`P_{ij} = 0`, and every row scalar and BoB term sums over visible entries only. The passes skip the blocks
+no query of a block sees (:func:`document_ranges` gives their bounds for documents) and evaluate the mask element
+by element only where a block is partly visible; :class:`Mask` does this for the blocked backend and
+:mod:`flashbob.kernels.common` for the kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Band = tuple[int | None, int | None]
+
+
+def check_window(window) -> Band | None:
+    """Validate ``window = (left, right)``: each bound an int >= 0 or None (unbounded). Returns it as a tuple."""
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be a pair (left, right) of ints >= 0 or None, got {window!r}")
+    for name, bound in zip(("left", "right"), window):
+        if bound is None:
+            continue
+        if isinstance(bound, bool) or not isinstance(bound, int):
+            raise TypeError(f"window's {name} bound must be an int >= 0 or None, got {bound!r}")
+        if bound < 0:
+            raise ValueError(f"window's {name} bound must be >= 0 (None for unbounded), got {bound}")
+    return int(window[0]) if window[0] is not None else None, int(window[1]) if window[1] is not None else None
+
+
+def band(causal: bool, window: Band | None) -> Band | None:
+    """The band ``(left, right)`` that ``causal`` and ``window`` allow together, or None when neither bounds it.
+    ``causal`` is the band ``(None, 0)``."""
+    left, right = window if window is not None else (None, None)
+    if causal:
+        right = 0
+    return None if left is None and right is None else (left, right)
+
+
+def check_document_ids(document_ids, q: torch.Tensor, k: torch.Tensor):
+    """Validate ``document_ids``: one integer ``(B, N)`` tensor for self-attention (``N == M``), or a pair
+    ``(q_ids (B, N), k_ids (B, M))``. Returns ``(q_ids, k_ids)`` as contiguous int64 tensors, or ``(None, None)``."""
+    if document_ids is None:
+        return None, None
+    batch, n, m = q.shape[0], q.shape[2], k.shape[2]
+    if isinstance(document_ids, torch.Tensor):
+        if n != m:
+            raise ValueError(
+                f"document_ids as one tensor is for self-attention (N == M); got N = {n}, M = {m}: pass a pair "
+                "(q_ids (batch, N), k_ids (batch, M))"
+            )
+        pair = (document_ids, document_ids)
+    elif isinstance(document_ids, (tuple, list)) and len(document_ids) == 2:
+        pair = tuple(document_ids)
+    else:
+        raise TypeError(
+            "document_ids must be an integer tensor (batch, N) or a pair (q_ids (batch, N), k_ids (batch, M)), "
+            f"got {type(document_ids).__name__}"
+        )
+    checked = []
+    single = isinstance(document_ids, torch.Tensor)
+    for name, axis, ids, length in zip(("q_ids", "k_ids"), "NM", pair, (n, m)):
+        name = "document_ids" if single else f"document_ids' {name}"
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"{name} must be an integer torch.Tensor, got {type(ids).__name__}")
+        if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+            raise TypeError(f"{name} must be an integer tensor (e.g. torch.long), got {ids.dtype}")
+        if tuple(ids.shape) != (batch, length):
+            raise ValueError(f"{name} must have shape (batch, {axis}) = {(batch, length)}, got {tuple(ids.shape)}")
+        if ids.device != q.device:
+            raise ValueError(f"{name} is on {ids.device} but q is on {q.device}; all inputs must be on one device")
+        checked.append(ids.to(torch.int64).contiguous())
+    return tuple(checked)
+
+
+def band_bounds(index: torch.Tensor, other_length: int, band_: Band | None, *, transposed: bool = False):
+    """For each position in ``index`` (queries, or keys when ``transposed``), the range ``[lo, hi)`` of the other
+    axis that the band lets it see (keys ``[i - left, i + right]``; queries ``[j - right, j + left]``)."""
+    lo = torch.zeros_like(index)
+    hi = torch.full_like(index, other_length)
+    if band_ is not None:
+        before, after = band_[::-1] if transposed else band_
+        if before is not None:
+            lo = (index - before).clamp(min=0)
+        if after is not None:
+            hi = (index + after + 1).clamp(max=other_length)
+    return lo, hi
+
+
+def document_ranges(own_ids: torch.Tensor, other_ids: torch.Tensor) -> torch.Tensor:
+    """``(B, 4, L)`` int32: for each of the ``L`` positions of one side (queries, or keys), the hull
+    ``[lo, hi)`` of the positions of the other side in its document, and ``[whole_lo, whole_hi)``, where it sees
+    every position: the hull itself if the document is one run there, else empty. Computed by sorting, in
+    ``O((N + M) log M)``; the passes skip the blocks outside the hull and mask only where a block is not whole.
+    A position whose document has no member on the other side gets empty ranges."""
+    sorted_ids, order = torch.sort(other_ids, dim=-1, stable=True)
+    own_ids = own_ids.contiguous()
+    first = torch.searchsorted(sorted_ids, own_ids, side="left")
+    after = torch.searchsorted(sorted_ids, own_ids, side="right")
+    count = after - first
+    last_index = order.shape[-1] - 1
+    lo = torch.gather(order, -1, first.clamp(max=last_index))
+    hi = torch.gather(order, -1, (after - 1).clamp(min=0, max=last_index)) + 1
+    present = count > 0
+    lo, hi = torch.where(present, lo, 0), torch.where(present, hi, 0)
+    whole = present & (hi - lo == count)
+    return torch.stack((lo, hi, lo, torch.where(whole, hi, lo)), dim=1).to(torch.int32).contiguous()
+
+
+@dataclass(frozen=True)
+class Mask:
+    """The masks of one attention call over ``n`` queries and ``m`` keys, as the blocked backend evaluates them on
+    panels: :meth:`visible` on a block of the score matrix, :meth:`keys_seen_by` and :meth:`queries_seeing` for
+    the part of a panel any position can see."""
+
+    n: int
+    m: int
+    band: Band | None = None
+    key_mask: torch.Tensor | None = None
+    q_ids: torch.Tensor | None = None
+    k_ids: torch.Tensor | None = None
+
+    @property
+    def empty(self) -> bool:
+        """True when nothing is hidden."""
+        return self.band is None and self.key_mask is None and self.q_ids is None
+
+    def visible(self, rows: slice, cols: slice, device: torch.device) -> torch.Tensor | None:
+        """Bool ``(B or 1, len(rows), len(cols))``: True where query ``i`` sees key ``j``; None when all do."""
+        keep = None
+        if self.band is not None:
+            i = torch.arange(rows.start, rows.stop, device=device)
+            lo, hi = band_bounds(i, self.m, self.band)
+            j = torch.arange(cols.start, cols.stop, device=device)
+            keep = ((j[None, :] >= lo[:, None]) & (j[None, :] < hi[:, None]))[None]
+        if self.q_ids is not None:
+            same = self.q_ids[:, rows, None] == self.k_ids[:, None, cols]
+            keep = same if keep is None else keep & same
+        if self.key_mask is not None:
+            kept = self.key_mask[:, None, cols]
+            keep = kept if keep is None else keep & kept
+        return keep
+
+    def keys_seen_by(self, rows: slice) -> slice:
+        """The keys that any query of ``rows`` may see (a superset: the band and the documents' hulls)."""
+        lo, hi = self._bounds(rows, self.m, transposed=False)
+        return slice(lo, max(lo, hi))
+
+    def queries_seeing(self, cols: slice) -> slice:
+        """The queries that may see any key of ``cols`` (a superset, as :meth:`keys_seen_by`)."""
+        lo, hi = self._bounds(cols, self.n, transposed=True)
+        return slice(lo, max(lo, hi))
+
+    def _bounds(self, span: slice, other_length: int, *, transposed: bool) -> tuple[int, int]:
+        if self.band is None and self.q_ids is None:
+            return 0, other_length
+        device = (self.q_ids if self.q_ids is not None else torch.empty(0)).device
+        index = torch.arange(span.start, span.stop, device=device)
+        lo, hi = band_bounds(index, other_length, self.band, transposed=transposed)
+        if self.q_ids is not None:
+            own, other = (self.k_ids, self.q_ids) if transposed else (self.q_ids, self.k_ids)
+            ranges = document_ranges(own[:, span], other)
+            lo, hi = torch.maximum(lo, ranges[:, 0]), torch.minimum(hi, ranges[:, 1])
+        seen = lo < hi
+        if not bool(seen.any()):
+            return 0, 0
+        return int(lo[seen].min()), int(hi[seen].max())
+
+
+def dense(n: int, m: int, *, causal: bool = False, window: Band | None = None, key_mask=None, document_ids=None,
+          device=None) -> torch.Tensor:
+    """The materialised ``(B or 1, 1, N, M)`` bool mask of these masks (True = visible), to compare with or to
+    pass to a materialising attention as ``attn_mask``. ``document_ids``: a ``(B, N)`` tensor or a pair."""
+    if isinstance(document_ids, torch.Tensor):
+        document_ids = (document_ids, document_ids)
+    q_ids, k_ids = document_ids if document_ids is not None else (None, None)
+    mask = Mask(n, m, band(causal, check_window(window)), key_mask, q_ids, k_ids)
+    keep = mask.visible(slice(0, n), slice(0, m), device)
+    if keep is None:
+        return torch.ones(1, 1, n, m, dtype=torch.bool, device=device)
+    return keep[:, None].expand(-1, 1, n, m)
