@@ -632,7 +632,8 @@ def test_nothing_tunes_by_default_on_an_unknown_sm90_gpu(tmp_path, monkeypatch):
     monkeypatch.setattr(configs, "_gpu", lambda args: (None, "NVIDIA H100 PCIe", "9.0"))
     table = tuning.load_table(tuning.table_path(tuning.ARCHITECTURE_TABLES["9.0"][0]))
     assert table, "the H200's table is shipped"
-    first_order = {"HEAD_DIM": 128, "BLOCK_D": 128, "CAUSAL": True, "HAS_KEY_MASK": False, "PRECISION": "ieee"}
+    first_order = {"HEAD_DIM": 128, "BLOCK_D": 128, "BAND": True, "DOCUMENTS": False, "HAS_KEY_MASK": False,
+                   "PRECISION": "ieee"}
     bob = {**first_order, "HAS_DQ_BAR": True, "HAS_DK_BAR": True, "HAS_DV_BAR": True}
     launches = {"forward": first_order, "dq": first_order, "bob_q_bar": {**bob, "SWEEP": "bob_q_bar"}, "bob_cols": bob,
                 "delta": {"HEAD_DIM": 128, "BLOCK_D": 128}}
@@ -673,8 +674,9 @@ def test_tune_stores_the_picks_in_the_cache(folders, monkeypatch, capsys):
         return -next(ticks)
 
     shape = {"head_dim": 16, "dtype": torch.float32, "causal": True, "heads": 2, "device": "cpu"}
-    forward = configs.tuning_key("forward", 16, torch.float32, 20, {"HEAD_DIM": 16, "BLOCK_D": 16, "CAUSAL": True,
-                                                                    "HAS_KEY_MASK": False, "PRECISION": "ieee"})
+    forward = configs.tuning_key("forward", 16, torch.float32, 20, {"HEAD_DIM": 16, "BLOCK_D": 16, "BAND": True,
+                                                                    "DOCUMENTS": False, "HAS_KEY_MASK": False,
+                                                                    "PRECISION": "ieee"})
     write_table_for(GPU, {forward: configs.candidates("forward", 16, torch.float32, 20)[0]})  # not consulted
     with tuning.timed_by(clock):
         rows = flashbob.tune(20, **shape)

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from flashbob.inputs import accumulator_dtype, check_inputs, check_triton_limits
+from flashbob.masks import band, document_ranges
 
 from . import tracing
 
@@ -188,41 +189,103 @@ def load_softmax_stats(stats_base, rows, n_rows):
 
 
 @triton.jit
-def row_block_key_ranges(start_m, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """Key ranges of a row kernel's query block ``[start_m, start_m + BLOCK_M)``: keys
-    ``[0, unmasked_end)`` need no causal mask (whole key blocks left of the diagonal), keys
-    ``[unmasked_end, end)`` do (the diagonal blocks; the block's last query sees no key beyond it)."""
-    if CAUSAL:
-        end = tl.minimum(M, start_m + BLOCK_M)
-        unmasked_end = tl.minimum(start_m // BLOCK_N * BLOCK_N, end)
-    else:
-        end = M
-        unmasked_end = M
-    return unmasked_end, end
+def ranges_pointer(RANGES, batch, length):
+    """Start of one batch element's ``(4, length)`` document ranges (:func:`flashbob.masks.document_ranges`)."""
+    return RANGES + batch.to(tl.int64) * 4 * length
 
 
 @triton.jit
-def whole_block_end(unmasked_end, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
-    """End of the whole key blocks in ``[0, unmasked_end)`` (:func:`row_block_key_ranges`), which need no mask
-    but the key-padding one; the ``"tma"`` variant runs them apart from the rest. 0 otherwise: the base code
-    masks every block."""
-    if TMA:
-        end = unmasked_end // BLOCK_N * BLOCK_N
-    else:
-        end = 0
-    return end
+def visible_ranges(own, n_own, n_other, before, after, ranges_base, BAND: tl.constexpr, DOCUMENTS: tl.constexpr):
+    r"""For each position ``own`` of a program's block (its queries in a row kernel, its keys in a column kernel):
+    the range ``[lo, hi)`` of the other axis that it may see, and ``[whole_lo, whole_hi)``, where it sees every
+    position. The band lets position :math:`x` see :math:`[x - \text{before}, x + \text{after}]` (a row kernel
+    passes the window's ``(left, right)``, a column kernel ``(right, left)``); the documents
+    (``ranges_base``: :func:`ranges_pointer`) narrow both ranges to the hull of the position's document and to
+    the part of it that is one run."""
+    lo = tl.zeros_like(own)
+    hi = tl.zeros_like(own) + n_other
+    if BAND:
+        lo = tl.maximum(own - before, 0)
+        hi = tl.minimum(own + after + 1, n_other)
+    whole_lo = lo
+    whole_hi = hi
+    if DOCUMENTS:
+        valid = own < n_own
+        lo = tl.maximum(lo, tl.load(ranges_base + own, mask=valid, other=0))
+        hi = tl.minimum(hi, tl.load(ranges_base + n_own + own, mask=valid, other=0))
+        whole_lo = tl.maximum(whole_lo, tl.load(ranges_base + 2 * n_own + own, mask=valid, other=0))
+        whole_hi = tl.minimum(whole_hi, tl.load(ranges_base + 3 * n_own + own, mask=valid, other=0))
+    return lo, hi, whole_lo, whole_hi
 
 
 @triton.jit
-def column_block_masked_end(start_n, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """End of the query rows that a column kernel's key block ``[start_n, start_n + BLOCK_N)`` sees
-    through the causal mask: queries before ``start_n`` see none of it and are skipped, queries in
-    ``[start_n, masked_end)`` (whole query blocks) are masked, later ones see it all. 0 if not causal."""
-    if CAUSAL:
-        masked_end = tl.minimum(start_n + (BLOCK_N + BLOCK_M - 1) // BLOCK_M * BLOCK_M, N)
+def sweep_bounds(own, n_own, n_other, lo, hi, whole_lo, whole_hi, BLOCK: tl.constexpr, OPEN_END: tl.constexpr):
+    """Where a program's loop over the other axis goes, in steps of ``BLOCK``: ``(start, whole_start, whole_end,
+    end)``. It visits ``[start, end)``, the union of its positions' ranges (:func:`visible_ranges`), so that blocks
+    no position sees are never visited; the blocks in ``[whole_start, whole_end)`` lie in every position's whole
+    range and need no mask but the key-padding one; the blocks before and after them are masked element by
+    element (:func:`visible`). ``OPEN_END`` (column kernels): positions past ``n_other`` may be in a whole block
+    (their softmax statistics make P = 0 there); row kernels' whole blocks end at ``n_other``."""
+    valid = own < n_own
+    seen = valid & (lo < hi)
+    start = tl.min(tl.where(seen, lo, n_other), 0)
+    end = tl.maximum(tl.max(tl.where(seen, hi, 0), 0), start)
+    grid_end = start + (end - start + BLOCK - 1) // BLOCK * BLOCK
+    common_lo = tl.max(tl.where(valid, whole_lo, 0), 0)
+    common_hi = tl.min(tl.where(valid, whole_hi, n_other), 0)
+    whole_start = tl.minimum(start + (tl.maximum(common_lo - start, 0) + BLOCK - 1) // BLOCK * BLOCK, grid_end)
+    if OPEN_END:
+        common_hi = tl.where(common_hi >= n_other, grid_end, common_hi)
+    whole_end = whole_start + tl.maximum(common_hi - whole_start, 0) // BLOCK * BLOCK
+    return start, whole_start, whole_end, end
+
+
+@triton.jit
+def own_ids(IDS, batch, own, n_own, DOCUMENTS: tl.constexpr):
+    """The document ids of a program's positions ``own`` (of ``(B, n_own)`` ids); ``own`` itself, never read,
+    without documents."""
+    if DOCUMENTS:
+        ids = tl.load(IDS + batch.to(tl.int64) * n_own + own, mask=own < n_own, other=-1)
     else:
-        masked_end = 0
-    return masked_end
+        ids = own
+    return ids
+
+
+@triton.jit
+def row_masks(rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, BLOCK_N: tl.constexpr,
+              BAND: tl.constexpr, DOCUMENTS: tl.constexpr):
+    """A row kernel's masks for its query ``rows``: each row's visible keys ``[lo, hi)``, the rows' document ids,
+    the start of the keys' ids, and its loop over the keys, :func:`sweep_bounds`."""
+    lo, hi, whole_lo, whole_hi = visible_ranges(rows, N, M, window_left, window_right, ranges_pointer(RANGES, batch, N),
+                                                BAND, DOCUMENTS)
+    start, whole_start, whole_end, end = sweep_bounds(rows, N, M, lo, hi, whole_lo, whole_hi, BLOCK_N, False)
+    return lo, hi, own_ids(IDS_Q, batch, rows, N, DOCUMENTS), IDS_K + batch.to(tl.int64) * M, start, whole_start, \
+        whole_end, end
+
+
+@triton.jit
+def column_masks(keys, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, BLOCK_M: tl.constexpr,
+                 BAND: tl.constexpr, DOCUMENTS: tl.constexpr):
+    """A column kernel's masks for its ``keys``: each key's visible queries ``[lo, hi)``, the keys' document ids,
+    the start of the queries' ids, and its loop over the queries, :func:`sweep_bounds`."""
+    lo, hi, whole_lo, whole_hi = visible_ranges(keys, M, N, window_right, window_left, ranges_pointer(RANGES, batch, M),
+                                                BAND, DOCUMENTS)
+    start, whole_start, whole_end, end = sweep_bounds(keys, M, N, lo, hi, whole_lo, whole_hi, BLOCK_M, True)
+    return lo, hi, own_ids(IDS_K, batch, keys, M, DOCUMENTS), IDS_Q + batch.to(tl.int64) * N, start, whole_start, \
+        whole_end, end
+
+
+@triton.jit
+def visible(other, n_other, lo, hi, ids, other_ids_base, DOCUMENTS: tl.constexpr):
+    """``(own, other)`` booleans of a tile, True where the program's position sees the other axis' position
+    ``other``: inside its range ``[lo, hi)`` (:func:`visible_ranges`) and, with documents, of its document
+    (``ids``; the other side's ids start at ``other_ids_base``). Row kernels' tiles are queries by keys, column
+    kernels' keys by queries. The key-padding mask is applied apart (:func:`kept_keys`)."""
+    mask = (other[None, :] >= lo[:, None]) & (other[None, :] < hi[:, None])
+    if DOCUMENTS:
+        other_ids = tl.load(other_ids_base + other, mask=other < n_other, other=-1)
+        mask = mask & (ids[:, None] == other_ids[None, :])
+    return mask
 
 
 @triton.jit
@@ -233,55 +296,42 @@ def kept_keys(key_mask_base, keys, M):
 
 
 @triton.jit
-def visible_keys(rows, keys, M, key_mask_base, MASK_CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr):
-    """``(rows, keys)`` mask of the scores a row kernel keeps: keys in range and, on diagonal
-    tiles, only key ``j <= i`` for query ``i``; with a key-padding mask, only kept keys."""
-    mask = keys[None, :] < M
-    if MASK_CAUSAL:
-        mask = mask & (keys[None, :] <= rows[:, None])
+def mask_scores(scores, keys, M, lo, hi, row_ids, k_ids_base, key_mask_base, MASKED: tl.constexpr,
+                DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr):
+    r"""A row kernel's ``scores`` (queries by keys) with :math:`-\infty` where a query does not see a key:
+    element by element (:func:`visible`) on a ``MASKED`` tile; on a whole one (:func:`sweep_bounds`) only
+    where the key-padding mask drops the key."""
+    if MASKED:
+        scores = tl.where(visible(keys, M, lo, hi, row_ids, k_ids_base, DOCUMENTS), scores, float("-inf"))
     if HAS_KEY_MASK:
-        mask = mask & kept_keys(key_mask_base, keys, M)[None, :]
-    return mask
-
-
-@triton.jit
-def mask_scores(scores, rows, keys, M, key_mask_base, MASK_CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
-                WHOLE_BLOCK: tl.constexpr = False):
-    r"""``scores`` (queries by keys) with :math:`-\infty` where :func:`visible_keys` is False. ``WHOLE_BLOCK``:
-    the caller knows that every key is ``< M`` and left of the diagonal (a whole key block of a loop that
-    needs no causal mask), so that only the key-padding mask, if any, is applied."""
-    if WHOLE_BLOCK:
-        if HAS_KEY_MASK:
-            scores = tl.where(kept_keys(key_mask_base, keys, M)[None, :], scores, float("-inf"))
-    else:
-        visible = visible_keys(rows, keys, M, key_mask_base, MASK_CAUSAL=MASK_CAUSAL, HAS_KEY_MASK=HAS_KEY_MASK)
-        scores = tl.where(visible, scores, float("-inf"))
+        scores = tl.where(kept_keys(key_mask_base, keys, M)[None, :], scores, float("-inf"))
     return scores
 
 
 @triton.jit
 def probabilities(
-    q, k, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
-    MASK_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, WHOLE_BLOCK: tl.constexpr = False,
+    q, k, row_max, log_sum, keys, M, qk_scale, lo, hi, row_ids, k_ids_base, key_mask_base,
+    MASKED: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
     r"""Tile :math:`P_{ij} = 2^{(s_{ij} - m_i) - \log_2 \ell_i}` of a row kernel (:func:`load_softmax_stats`),
-    zero for invisible keys (:func:`mask_scores`); ``qk_scale`` is :math:`\tau \log_2 e`."""
+    zero where the query does not see the key (:func:`mask_scores`); ``qk_scale`` is :math:`\tau \log_2 e`."""
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    scores = mask_scores(scores, rows, keys, M, key_mask_base, MASK_CAUSAL, HAS_KEY_MASK, WHOLE_BLOCK)
+    scores = mask_scores(scores, keys, M, lo, hi, row_ids, k_ids_base, key_mask_base, MASKED, DOCUMENTS, HAS_KEY_MASK)
     return tl.exp2((scores - row_max[:, None]) - log_sum[:, None])
 
 
 @triton.jit
 def probabilities_transposed(
-    k, q, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
-    MASK_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    k, q, row_max, log_sum, rows, keys, N, M, qk_scale, lo, hi, key_ids, q_ids_base, key_mask_base,
+    MASKED: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
-    r"""Tile :math:`P^\top` (keys by queries) of a column kernel. Keys past M need no mask (their
-    rows are never stored); queries past N come with ``row_max = +inf`` (:func:`load_softmax_stats`)
-    so that their P is 0. Masked keys (key-padding mask) get P = 0."""
+    r"""Tile :math:`P^\top` (keys by queries) of a column kernel, zero where the query does not see the key:
+    element by element (:func:`visible`, each key's visible queries ``[lo, hi)``) on a ``MASKED`` tile, and
+    for keys the key-padding mask drops. Keys past M need no mask (their rows are never stored); queries past N
+    come with ``row_max = +inf`` (:func:`load_softmax_stats`), so that their P is 0."""
     scores = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
-    if MASK_CAUSAL:
-        scores = tl.where(keys[:, None] <= rows[None, :], scores, float("-inf"))
+    if MASKED:
+        scores = tl.where(visible(rows, N, lo, hi, key_ids, q_ids_base, DOCUMENTS), scores, float("-inf"))
     if HAS_KEY_MASK:
         scores = tl.where(kept_keys(key_mask_base, keys, M)[:, None], scores, float("-inf"))
     return tl.exp2((scores - row_max[None, :]) - log_sum[None, :])
@@ -506,10 +556,51 @@ def check_shaped_like(*named: tuple[str, torch.Tensor | None, torch.Tensor]) -> 
             raise ValueError(f"{name} must have shape {tuple(like.shape)}; got {tuple(x.shape)}")
 
 
-def kernel_constants(q: torch.Tensor, causal: bool, allow_tf32: bool, has_key_mask: bool, **flags: bool) -> dict:
-    """The compile-time arguments of every attention kernel for inputs like ``q``, plus ``flags``
+def kernel_constants(q: torch.Tensor, masks: KernelMasks, allow_tf32: bool, **flags: bool) -> dict:
+    """The compile-time arguments of every attention kernel for inputs like ``q`` with ``masks``, plus ``flags``
     (which cotangents or tangents are present)."""
     head_dim = int(q.shape[-1])  # a compile-time constant: a symbolic head_dim (torch.compile) is specialised
-    return dict(HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), CAUSAL=causal,
-                PRECISION=dot_precision(q.dtype, allow_tf32), HAS_KEY_MASK=has_key_mask, **flags)
+    return dict(HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), PRECISION=dot_precision(q.dtype, allow_tf32),
+                BAND=masks.band, DOCUMENTS=masks.documents, HAS_KEY_MASK=masks.has_key_mask, **flags)
+
+
+class KernelMasks:
+    """The masks of a kernel launch (:mod:`flashbob.masks`) as its arguments: after the kernel's tensors and
+    strides, ``KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right`` (:meth:`row_arguments` for the kernels
+    that sweep keys per query block, :meth:`column_arguments` for those that sweep queries per key block), and
+    the flags ``BAND``, ``DOCUMENTS``, ``HAS_KEY_MASK`` (:func:`kernel_constants`).
+
+    The band is the window's ``(left, right)`` with ``causal`` as ``right = 0``; an unbounded side is passed as
+    ``N + M``, which no distance reaches. The documents' ``RANGES`` (:func:`flashbob.masks.document_ranges`) are
+    made on first use, the queries' for row kernels and the keys' for column kernels. Absent masks are passed as
+    a placeholder the kernels never read."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, *, causal: bool, window, key_mask, q_ids, k_ids):
+        self.key_mask, self.has_key_mask = key_mask_operand(key_mask, q, k)
+        placeholder = key_mask_operand(None, q, k)[0]
+        n, m = q.shape[2], k.shape[2]
+        band_ = band(causal, window)
+        self.band = band_ is not None
+        unbounded = n + m
+        left, right = band_ if band_ is not None else (0, 0)
+        self.left = unbounded if left is None else min(left, unbounded)
+        self.right = unbounded if right is None else min(right, unbounded)
+        self.documents = q_ids is not None
+        self.q_ids = q_ids.to(q.device).contiguous() if self.documents else placeholder
+        self.k_ids = k_ids.to(q.device).contiguous() if self.documents else placeholder
+        self._placeholder = placeholder
+
+    @functools.cached_property
+    def q_ranges(self) -> torch.Tensor:
+        return document_ranges(self.q_ids, self.k_ids) if self.documents else self._placeholder
+
+    @functools.cached_property
+    def k_ranges(self) -> torch.Tensor:
+        return document_ranges(self.k_ids, self.q_ids) if self.documents else self._placeholder
+
+    def row_arguments(self) -> tuple:
+        return self.key_mask, self.q_ids, self.k_ids, self.q_ranges, self.left, self.right
+
+    def column_arguments(self) -> tuple:
+        return self.key_mask, self.q_ids, self.k_ids, self.k_ranges, self.left, self.right
 

@@ -11,28 +11,30 @@ from . import common, configs
 
 @triton.jit
 def _forward_inner(
-    acc, row_max, row_sum, q, k_src, v_src, stride_kn, stride_vn, rows, start, end, M, qk_scale, key_mask_base,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr, WHOLE_BLOCK: tl.constexpr,
+    acc, row_max, row_sum, q, k_src, v_src, stride_kn, stride_vn, start, end, M, qk_scale, lo, hi, row_ids,
+    k_ids_base, key_mask_base, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, PRECISION: tl.constexpr, BAND: tl.constexpr, DOCUMENTS: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r"""Fold key blocks ``[start, end)`` into the online softmax of one query block.
 
     With :math:`s_{ij} = \tau\, q_i \cdot k_j \log_2 e` (base 2), running max :math:`m_i`, running sum
     :math:`\ell_i = \sum_j 2^{s_{ij} - m_i}` and unnormalised output
     :math:`\mathrm{acc}_i = \sum_j 2^{s_{ij} - m_i} v_j`, a new block rescales both by
-    :math:`2^{m_i^{old} - m_i^{new}}` before adding its own terms. With a key-padding mask a row may
-    have seen no key yet (:math:`m_i = -\infty`); the exponentials then use 0 as the shift, so that
-    they are 0 instead of NaN. ``k_src``, ``v_src``: :func:`~flashbob.kernels.common.tile_source`;
-    ``WHOLE_BLOCK``: :func:`~flashbob.kernels.common.mask_scores`.
+    :math:`2^{m_i^{old} - m_i^{new}}` before adding its own terms. Where a mask can hide a row's every key so far
+    (:math:`m_i = -\infty`), the exponentials use 0 as the shift, so that they are 0 instead of NaN.
+    ``k_src``, ``v_src``: :func:`~flashbob.kernels.common.tile_source`; ``MASKED`` and the masks:
+    :func:`~flashbob.kernels.common.mask_scores`.
     """
     for start_n in range(start, end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
         k = common.load_block(k_src, start_n, keys, M, stride_kn, HEAD_DIM, BLOCK_D, TMA)
         v = common.load_block(v_src, start_n, keys, M, stride_vn, HEAD_DIM, BLOCK_D, TMA)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        scores = common.mask_scores(scores, rows, keys, M, key_mask_base, MASK_CAUSAL, HAS_KEY_MASK, WHOLE_BLOCK)
+        scores = common.mask_scores(scores, keys, M, lo, hi, row_ids, k_ids_base, key_mask_base, MASKED, DOCUMENTS,
+                                    HAS_KEY_MASK)
         new_max = tl.maximum(row_max, tl.max(scores, 1))
-        if HAS_KEY_MASK:
+        if HAS_KEY_MASK or BAND or DOCUMENTS:
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)
         else:
             shift = new_max
@@ -50,16 +52,16 @@ def _forward_kernel(
     O,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-    STATS, KEY_MASK, heads, group, N, M, qk_scale,
+    STATS, KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right, heads, group, N, M, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
+    BAND: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     r""":math:`O = \mathrm{softmax}(\tau Q K^\top) V` and the softmax statistics :math:`(m_i, \log_2 \ell_i)`
-    (:func:`~flashbob.kernels.common.load_softmax_stats`) for one query block; causal: key blocks right
-    of the diagonal are skipped, diagonal ones masked. Rows that see no key (key-padding mask) store
-    :math:`O_i = 0` and :math:`(+\infty, 0)`. ``TMA`` (the ``"tma"`` variant): tiles through tensor
-    descriptors, and the whole key blocks left of the diagonal in a loop of their own without the key-range
-    and causal masks (:func:`~flashbob.kernels.common.whole_block_end`)."""
+    (:func:`~flashbob.kernels.common.load_softmax_stats`) for one query block. Only the keys some query of the
+    block sees are visited (:func:`~flashbob.kernels.common.row_masks`): the blocks every query sees whole
+    without an element-wise mask, those before and after them masked. Rows that see no key store
+    :math:`O_i = 0` and :math:`(+\infty, 0)`. ``TMA`` (the ``"tma"`` variant): tiles through tensor descriptors."""
     start_m, rows, batch_head, batch, head, kv_head, key_mask_base = common.query_block(heads, group, KEY_MASK, M, BLOCK_M)
     k_src = common.head_tile_source(K, batch, kv_head, stride_kb, stride_kh, M, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D,
                                     TMA)
@@ -72,25 +74,26 @@ def _forward_kernel(
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=acc_dtype)
     row_sum = tl.zeros([BLOCK_M], dtype=acc_dtype)
 
-    unmasked_end, end = common.row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
-    whole_end = common.whole_block_end(unmasked_end, BLOCK_N, TMA)
-    if TMA:
-        acc, row_max, row_sum = _forward_inner(
-            acc, row_max, row_sum, q, k_src, v_src, stride_kn, stride_vn, rows, 0, whole_end, M, qk_scale,
-            key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION, HAS_KEY_MASK, TMA, True,
-        )
+    lo, hi, row_ids, k_ids_base, start, whole_start, whole_end, end = common.row_masks(
+        rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, BLOCK_N, BAND, DOCUMENTS)
     acc, row_max, row_sum = _forward_inner(
-        acc, row_max, row_sum, q, k_src, v_src, stride_kn, stride_vn, rows, whole_end, unmasked_end, M, qk_scale,
-        key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION, HAS_KEY_MASK, TMA, False,
+        acc, row_max, row_sum, q, k_src, v_src, stride_kn, stride_vn, start, whole_start, M, qk_scale, lo, hi,
+        row_ids, k_ids_base, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, BAND, DOCUMENTS,
+        HAS_KEY_MASK, TMA,
     )
-    if CAUSAL:
-        acc, row_max, row_sum = _forward_inner(
-            acc, row_max, row_sum, q, k_src, v_src, stride_kn, stride_vn, rows, unmasked_end, end, M,
-            qk_scale, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, HAS_KEY_MASK, TMA, False,
-        )
+    acc, row_max, row_sum = _forward_inner(
+        acc, row_max, row_sum, q, k_src, v_src, stride_kn, stride_vn, whole_start, whole_end, M, qk_scale, lo, hi,
+        row_ids, k_ids_base, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION, BAND, DOCUMENTS,
+        HAS_KEY_MASK, TMA,
+    )
+    acc, row_max, row_sum = _forward_inner(
+        acc, row_max, row_sum, q, k_src, v_src, stride_kn, stride_vn, whole_end, end, M, qk_scale, lo, hi,
+        row_ids, k_ids_base, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, BAND, DOCUMENTS,
+        HAS_KEY_MASK, TMA,
+    )
 
     o_src = common.head_tile_source(O, batch, head, stride_ob, stride_oh, N, stride_on, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
-    if HAS_KEY_MASK:
+    if HAS_KEY_MASK or BAND or DOCUMENTS:
         seen = row_sum != 0  # a NaN sum (a NaN or +inf score) counts as seen, so that it reaches O and the statistics
         row_sum = tl.where(seen, row_sum, 1.0)
         row_max = tl.where(seen, row_max, float("inf"))
@@ -103,7 +106,8 @@ def _forward_kernel(
 
 def forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float, allow_tf32: bool = False,
-    key_mask: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None, window=None, q_ids: torch.Tensor | None = None,
+    k_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Attention output and the softmax statistics of its rows.
 
@@ -119,8 +123,12 @@ def forward(
         causal: top-left aligned causal mask (query ``i`` sees key ``j`` iff ``j <= i``).
         scale: :math:`\tau`.
         allow_tf32: float32 inputs only: let ``tl.dot`` round its operands to tf32.
-        key_mask: optional bool ``(B, M)`` key-padding mask, True = keep. Rows that see no key get
-            ``o = 0`` and statistics ``(+inf, 0)``.
+        key_mask: optional bool ``(B, M)`` key-padding mask, True = keep.
+        window: optional ``(left, right)`` band, each bound an int >= 0 or None.
+        q_ids, k_ids: optional document ids ``(B, N)`` and ``(B, M)`` (both or neither).
+
+        The masks combine by AND (:mod:`flashbob.masks`). Rows that see no key get ``o = 0`` and statistics
+        ``(+inf, 0)``.
 
     Returns:
         ``o`` shaped and typed like ``q``; ``stats`` ``(B, H, 2, N)`` holding :math:`m` and :math:`\log_2 \ell`
@@ -128,7 +136,7 @@ def forward(
         :func:`~flashbob.kernels.common.logsumexp` turns it into the row log-sum-exp.
     """
     common.check_qkv(q, k, v)
-    key_mask, has_key_mask = common.key_mask_operand(key_mask, q, k)
+    masks = common.KernelMasks(q, k, causal=causal, window=window, key_mask=key_mask, q_ids=q_ids, k_ids=k_ids)
     q, k, v = (common.operand(x, q) for x in (q, k, v))
     batch, heads, n, head_dim = q.shape
     kv_heads, m = k.shape[1], k.shape[2]
@@ -136,7 +144,7 @@ def forward(
     stats = torch.empty((batch, heads, 2, n), dtype=common.accumulator_dtype(q.dtype), device=q.device)
     configs.launch(
         "forward", _forward_kernel, common.row_grid(n, batch * heads), *common.with_strides(q, k, v, o), stats,
-        key_mask, heads, heads // kv_heads, n, m, scale * common.LOG2E.value, head_dim=head_dim, dtype=q.dtype,
-        length=n, descriptors=(q, k, v, o), **common.kernel_constants(q, causal, allow_tf32, has_key_mask),
+        *masks.row_arguments(), heads, heads // kv_heads, n, m, scale * common.LOG2E.value, head_dim=head_dim,
+        dtype=q.dtype, length=n, descriptors=(q, k, v, o), **common.kernel_constants(q, masks, allow_tf32),
     )
     return o, stats
