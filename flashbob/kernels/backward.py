@@ -34,9 +34,9 @@ def _delta_kernel(
 @triton.jit
 def _dkdv_inner(
     dk, dv, k, v, q_src, do_src, stats_base, delta_base, stride_qn, stride_don, keys, start, end, N, qk_scale,
-    key_mask_base, M,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASK_CAUSAL: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
+    lo, hi, key_ids, q_ids_base, key_mask_base, M,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+    PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r"""Add query rows ``[start, end)`` of one query head to a key block's
     :math:`dV_j = \sum_i P_{ij}\, dO_i` and :math:`dK_j / \tau = \sum_i dS_{ij}\, Q_i`, with
@@ -48,8 +48,9 @@ def _dkdv_inner(
         do = common.load_block(do_src, start_m, rows, N, stride_don, HEAD_DIM, BLOCK_D, TMA)
         row_max, log_sum = common.load_softmax_stats(stats_base, rows, N)
         delta = common.load_rows(delta_base, rows, N)
-        p_t = common.probabilities_transposed(k, q, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
-                                              MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
+        p_t = common.probabilities_transposed(k, q, row_max, log_sum, rows, keys, N, M, qk_scale, lo, hi, key_ids,
+                                              q_ids_base, key_mask_base, MASKED=MASKED, PRECISION=PRECISION,
+                                              DOCUMENTS=DOCUMENTS, HAS_KEY_MASK=HAS_KEY_MASK)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -63,16 +64,17 @@ def _dkdv_kernel(
     DK, DV,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-    STATS, DELTA, KEY_MASK, heads, kv_heads, group, N, M, qk_scale, scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
+    STATS, DELTA, KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right, heads, kv_heads, group, N, M, qk_scale,
+    scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BAND: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     r""":math:`dK = \tau\, dS^\top Q` and :math:`dV = P^\top dO` of one key block of one kv head,
     summed over the ``group`` query heads that share it (no atomics).
 
-    Causal: queries before the block see none of it and are skipped; the queries in
-    ``[start_n, start_n + BLOCK_N)`` (rounded up to whole query blocks) are masked; later ones see it all.
-    ``TMA`` (the ``"tma"`` variant): tiles through tensor descriptors.
+    Only the queries that see some key of the block are visited (:func:`~flashbob.kernels.common.column_masks`;
+    causal: those from the block on), masked where they do not see all of it. ``TMA`` (the ``"tma"`` variant):
+    tiles through tensor descriptors.
     """
     start_n, keys, batch, kv_head, key_mask_base = common.key_block(kv_heads, KEY_MASK, M, BLOCK_N)
     acc_dtype = DELTA.dtype.element_ty
@@ -85,21 +87,27 @@ def _dkdv_kernel(
     k = common.load_block(k_src, start_n, keys, M, stride_kn, HEAD_DIM, BLOCK_D, TMA)
     v = common.load_block(v_src, start_n, keys, M, stride_vn, HEAD_DIM, BLOCK_D, TMA)
 
-    masked_end = common.column_block_masked_end(start_n, N, BLOCK_M, BLOCK_N, CAUSAL)
+    lo, hi, key_ids, q_ids_base, start, whole_start, whole_end, end = common.column_masks(
+        keys, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, BLOCK_M, BAND, DOCUMENTS)
     for member in tl.range(group, num_stages=1):  # never pipelined: common.group_query_head
         _, _, q_base, do_base, stats_base, delta_base = common.group_query_head(
             Q, DO, STATS, DELTA, batch, heads, kv_head, group, member, N, stride_qb, stride_qh, stride_dob, stride_doh)
         q_src = common.tile_source(q_base, N, stride_qn, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
         do_src = common.tile_source(do_base, N, stride_don, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
-        if CAUSAL:
-            dk, dv = _dkdv_inner(
-                dk, dv, k, v, q_src, do_src, stats_base, delta_base, stride_qn, stride_don, keys, start_n,
-                masked_end, N, qk_scale, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION, HAS_KEY_MASK,
-                TMA,
-            )
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_src, do_src, stats_base, delta_base, stride_qn, stride_don, keys, masked_end, N, N,
-            qk_scale, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, False, PRECISION, HAS_KEY_MASK, TMA,
+            dk, dv, k, v, q_src, do_src, stats_base, delta_base, stride_qn, stride_don, keys, start, whole_start, N,
+            qk_scale, lo, hi, key_ids, q_ids_base, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION,
+            DOCUMENTS, HAS_KEY_MASK, TMA,
+        )
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, q_src, do_src, stats_base, delta_base, stride_qn, stride_don, keys, whole_start, whole_end,
+            N, qk_scale, lo, hi, key_ids, q_ids_base, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, False, PRECISION,
+            DOCUMENTS, HAS_KEY_MASK, TMA,
+        )
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, q_src, do_src, stats_base, delta_base, stride_qn, stride_don, keys, whole_end, end, N,
+            qk_scale, lo, hi, key_ids, q_ids_base, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION,
+            DOCUMENTS, HAS_KEY_MASK, TMA,
         )
 
     common.store_head_block(DK, dk * scale, batch, kv_head, stride_dkb, stride_dkh, start_n, keys, M, stride_dkn,
@@ -110,20 +118,21 @@ def _dkdv_kernel(
 
 @triton.jit
 def _dq_inner(
-    dq, q, do, row_max, log_sum, delta, k_src, v_src, stride_kn, stride_vn, rows, start, end, M, qk_scale,
-    key_mask_base, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr, WHOLE_BLOCK: tl.constexpr,
+    dq, q, do, row_max, log_sum, delta, k_src, v_src, stride_kn, stride_vn, start, end, M, qk_scale, lo, hi, row_ids,
+    k_ids_base, key_mask_base, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     r"""Add key blocks ``[start, end)`` to a query block's :math:`dQ_i / \tau = \sum_j dS_{ij} K_j`
-    (``k_src``, ``v_src``: :func:`~flashbob.kernels.common.tile_source`; ``WHOLE_BLOCK``:
+    (``k_src``, ``v_src``: :func:`~flashbob.kernels.common.tile_source`; ``MASKED`` and the masks:
     :func:`~flashbob.kernels.common.mask_scores`)."""
     for start_n in range(start, end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
         k = common.load_block(k_src, start_n, keys, M, stride_kn, HEAD_DIM, BLOCK_D, TMA)
         v = common.load_block(v_src, start_n, keys, M, stride_vn, HEAD_DIM, BLOCK_D, TMA)
-        p = common.probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
-                                 MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK,
-                                 WHOLE_BLOCK=WHOLE_BLOCK)
+        p = common.probabilities(q, k, row_max, log_sum, keys, M, qk_scale, lo, hi, row_ids, k_ids_base,
+                                 key_mask_base, MASKED=MASKED, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS,
+                                 HAS_KEY_MASK=HAS_KEY_MASK)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
@@ -136,9 +145,10 @@ def _dq_kernel(
     DQ,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don, stride_ob, stride_oh, stride_on, stride_dqb, stride_dqh, stride_dqn,
-    STATS, DELTA, KEY_MASK, heads, group, N, M, qk_scale, scale,
+    STATS, DELTA, KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right, heads, group, N, M, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
+    BAND: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     r""":math:`dQ = \tau\, dS K` of one query block, key blocks split as in the forward (and ``TMA`` as there);
     first its rows' :math:`\Delta_i = dO_i \cdot O_i`, which it stores in ``DELTA`` for the dK/dV sweep (launched
@@ -161,22 +171,23 @@ def _dq_kernel(
     row_max, log_sum = common.load_softmax_stats(common.softmax_stats_pointer(STATS, batch_head, N), rows, N)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
 
-    unmasked_end, end = common.row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
-    whole_end = common.whole_block_end(unmasked_end, BLOCK_N, TMA)
-    if TMA:
-        dq = _dq_inner(
-            dq, q, do, row_max, log_sum, delta, k_src, v_src, stride_kn, stride_vn, rows, 0, whole_end, M, qk_scale,
-            key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION, HAS_KEY_MASK, TMA, True,
-        )
+    lo, hi, row_ids, k_ids_base, start, whole_start, whole_end, end = common.row_masks(
+        rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, BLOCK_N, BAND, DOCUMENTS)
     dq = _dq_inner(
-        dq, q, do, row_max, log_sum, delta, k_src, v_src, stride_kn, stride_vn, rows, whole_end, unmasked_end, M,
-        qk_scale, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION, HAS_KEY_MASK, TMA, False,
+        dq, q, do, row_max, log_sum, delta, k_src, v_src, stride_kn, stride_vn, start, whole_start, M, qk_scale, lo,
+        hi, row_ids, k_ids_base, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, DOCUMENTS, HAS_KEY_MASK,
+        TMA,
     )
-    if CAUSAL:
-        dq = _dq_inner(
-            dq, q, do, row_max, log_sum, delta, k_src, v_src, stride_kn, stride_vn, rows, unmasked_end, end, M,
-            qk_scale, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, HAS_KEY_MASK, TMA, False,
-        )
+    dq = _dq_inner(
+        dq, q, do, row_max, log_sum, delta, k_src, v_src, stride_kn, stride_vn, whole_start, whole_end, M, qk_scale,
+        lo, hi, row_ids, k_ids_base, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION, DOCUMENTS,
+        HAS_KEY_MASK, TMA,
+    )
+    dq = _dq_inner(
+        dq, q, do, row_max, log_sum, delta, k_src, v_src, stride_kn, stride_vn, whole_end, end, M, qk_scale, lo, hi,
+        row_ids, k_ids_base, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, DOCUMENTS, HAS_KEY_MASK,
+        TMA,
+    )
     common.store_head_block(DQ, dq * scale, batch, head, stride_dqb, stride_dqh, start_m, rows, N, stride_dqn, HEAD_DIM,
                             BLOCK_M, BLOCK_D, TMA)
 
@@ -196,7 +207,8 @@ def row_dot_products(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, stats: torch.Tensor, do: torch.Tensor,
-    *, causal: bool, scale: float, allow_tf32: bool = False, key_mask: torch.Tensor | None = None,
+    *, causal: bool, scale: float, allow_tf32: bool = False, key_mask: torch.Tensor | None = None, window=None,
+    q_ids: torch.Tensor | None = None, k_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""Gradients of attention for the output cotangent ``do``.
 
@@ -205,7 +217,7 @@ def backward(
         dQ = \tau\, dS K,\quad dK = \tau\, dS^\top Q,\quad dV = P^\top dO
 
     Args:
-        q, k, v, causal, scale, allow_tf32, key_mask: as in :func:`flashbob.kernels.forward`.
+        q, k, v, causal, scale, allow_tf32, key_mask, window, q_ids, k_ids: as in :func:`flashbob.kernels.forward`.
         o, stats: the forward's outputs.
         do: ``(B, H, N, d)`` cotangent of ``o``.
 
@@ -215,24 +227,24 @@ def backward(
     """
     common.check_qkv(q, k, v)
     common.check_shaped_like(("o", o, q), ("do", do, q))
-    key_mask, has_key_mask = common.key_mask_operand(key_mask, q, k)
+    masks = common.KernelMasks(q, k, causal=causal, window=window, key_mask=key_mask, q_ids=q_ids, k_ids=k_ids)
     q, k, v, o, do = (common.operand(x, q) for x in (q, k, v, o, do))
     batch, heads, n, head_dim = q.shape
     kv_heads, m = k.shape[1], k.shape[2]
     stats = common.softmax_stats(stats, q)
     delta = torch.empty(q.shape[:3], dtype=stats.dtype, device=q.device)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    constants = common.kernel_constants(q, causal, allow_tf32, has_key_mask)
+    constants = common.kernel_constants(q, masks, allow_tf32)
     scalars = (heads // kv_heads, n, m, scale * common.LOG2E.value, scale)
 
     configs.launch(  # first: it also writes delta, which dK/dV read
         "dq", _dq_kernel, common.row_grid(n, batch * heads), *common.with_strides(q, k, v, do, o, dq), stats, delta,
-        key_mask, heads, *scalars, head_dim=head_dim, dtype=q.dtype, length=n, descriptors=(q, k, v, do, o, dq),
+        *masks.row_arguments(), heads, *scalars, head_dim=head_dim, dtype=q.dtype, length=n, descriptors=(q, k, v, do, o, dq),
         **constants,
     )
     configs.launch(
         "dkdv", _dkdv_kernel, common.column_grid(m, batch * kv_heads), *common.with_strides(q, k, v, do, dk, dv), stats,
-        delta, key_mask, heads, kv_heads, *scalars, head_dim=head_dim, dtype=q.dtype, length=m,
+        delta, *masks.column_arguments(), heads, kv_heads, *scalars, head_dim=head_dim, dtype=q.dtype, length=m,
         descriptors=(q, k, v, do, dk, dv), **constants,
     )
     return dq, dk, dv, delta
