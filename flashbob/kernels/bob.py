@@ -25,10 +25,10 @@ from . import common, configs
 
 @triton.jit
 def _bob_tile(
-    q, k, v, do, u_bar, w_bar, z_bar, row_max, log_sum, delta, rows, keys, M, qk_scale, scale, key_mask_base,
-    TRANSPOSED: tl.constexpr, MASK_CAUSAL: tl.constexpr, WITH_DO: tl.constexpr, HAS_DQ_BAR: tl.constexpr,
-    HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
-    WHOLE_BLOCK: tl.constexpr = False,
+    q, k, v, do, u_bar, w_bar, z_bar, row_max, log_sum, delta, rows, keys, N, M, qk_scale, scale, lo, hi, own_ids,
+    other_ids_base, key_mask_base, TRANSPOSED: tl.constexpr, MASKED: tl.constexpr, WITH_DO: tl.constexpr,
+    HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr, PRECISION: tl.constexpr,
+    DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
     r"""The tiles every sweep recomputes, for query rows ``rows`` and keys ``keys``:
 
@@ -39,16 +39,18 @@ def _bob_tile(
     queries by keys, or keys by queries when ``TRANSPOSED`` (the column sweep). A tile that is zero
     (:math:`\bar A` without :math:`\bar U, \bar W`; :math:`\bar B` without :math:`\bar Z`) or not wanted
     (those with dO without ``WITH_DO``: the dŌ sweep needs neither dP nor :math:`\bar B`) is not formed:
-    P stands in for it, and the caller never reads it. ``WHOLE_BLOCK`` (row sweeps):
-    :func:`~flashbob.kernels.common.mask_scores`.
+    P stands in for it, and the caller never reads it. The masks: ``lo``, ``hi``, ``own_ids`` of the program's
+    positions (queries, or keys when ``TRANSPOSED``) and ``other_ids_base`` (:func:`~flashbob.kernels.common.row_masks`,
+    :func:`~flashbob.kernels.common.column_masks`), applied element by element on a ``MASKED`` tile.
     """
     if TRANSPOSED:
-        p = common.probabilities_transposed(k, q, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
-                                            MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
+        p = common.probabilities_transposed(k, q, row_max, log_sum, rows, keys, N, M, qk_scale, lo, hi, own_ids,
+                                            other_ids_base, key_mask_base, MASKED=MASKED, PRECISION=PRECISION,
+                                            DOCUMENTS=DOCUMENTS, HAS_KEY_MASK=HAS_KEY_MASK)
     else:
-        p = common.probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
-                                 MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK,
-                                 WHOLE_BLOCK=WHOLE_BLOCK)
+        p = common.probabilities(q, k, row_max, log_sum, keys, M, qk_scale, lo, hi, own_ids, other_ids_base,
+                                 key_mask_base, MASKED=MASKED, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS,
+                                 HAS_KEY_MASK=HAS_KEY_MASK)
     dp, dp_centered, a_bar, b_bar = p, p, p, p
     if WITH_DO:
         dp = common.tile_product(do, v, TRANSPOSED=TRANSPOSED, PRECISION=PRECISION)
@@ -133,16 +135,17 @@ def _do_bar_step(
 @triton.jit
 def _rows_inner(
     acc, a, c, q, do, u_bar, row_max, log_sum, delta, k_src, v_src, w_bar_src, z_bar_src,
-    stride_kn, stride_vn, stride_wn, stride_zn, rows, start, end, M, qk_scale, scale, key_mask_base,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr,
-    HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr, SWEEP: tl.constexpr, TMA: tl.constexpr, WHOLE_BLOCK: tl.constexpr,
+    stride_kn, stride_vn, stride_wn, stride_zn, rows, start, end, N, M, qk_scale, scale, lo, hi, row_ids,
+    k_ids_base, key_mask_base, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr,
+    PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, SWEEP: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     r"""Add key blocks ``[start, end)`` to a query block's row sweep ``SWEEP``: the scalars ``a, c``
     (:func:`_scalars_step`), or :math:`\bar Q / \tau` (:func:`_q_bar_step`) or :math:`d\bar O`
     (:func:`_do_bar_step`) in ``acc``; what a sweep does not add to passes through unchanged. The key-side
-    tiles come through their sources (:func:`~flashbob.kernels.common.tile_sources`); ``WHOLE_BLOCK``:
-    :func:`~flashbob.kernels.common.mask_scores`."""
+    tiles come through their sources (:func:`~flashbob.kernels.common.tile_sources`); ``MASKED`` and the masks:
+    :func:`_bob_tile`."""
     has_a_bar: tl.constexpr = HAS_DQ_BAR or HAS_DK_BAR
     for start_n in range(start, end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
@@ -150,10 +153,10 @@ def _rows_inner(
                                                     stride_vn, stride_wn, stride_zn, HEAD_DIM, BLOCK_D, HAS_DK_BAR,
                                                     HAS_DV_BAR, TMA)
         p, dp, dp_centered, a_bar, b_bar = _bob_tile(
-            q, k, v, do, u_bar, w_bar, z_bar, row_max, log_sum, delta, rows, keys, M, qk_scale, scale, key_mask_base,
-            TRANSPOSED=False, MASK_CAUSAL=MASK_CAUSAL, WITH_DO=SWEEP != "bob_do_bar", HAS_DQ_BAR=HAS_DQ_BAR,
-            HAS_DK_BAR=HAS_DK_BAR, HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK,
-            WHOLE_BLOCK=WHOLE_BLOCK,
+            q, k, v, do, u_bar, w_bar, z_bar, row_max, log_sum, delta, rows, keys, N, M, qk_scale, scale, lo, hi,
+            row_ids, k_ids_base, key_mask_base, TRANSPOSED=False, MASKED=MASKED, WITH_DO=SWEEP != "bob_do_bar",
+            HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR, HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION,
+            DOCUMENTS=DOCUMENTS, HAS_KEY_MASK=HAS_KEY_MASK,
         )
         if SWEEP == "bob_scalars":
             a, c = _scalars_step(a, c, p, dp_centered, a_bar, b_bar, HAS_A_BAR=has_a_bar, HAS_DV_BAR=HAS_DV_BAR)
@@ -173,22 +176,21 @@ def _bob_rows_kernel(
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don, stride_ub, stride_uh, stride_un, stride_wb, stride_wh, stride_wn,
     stride_zb, stride_zh, stride_zn, stride_outb, stride_outh, stride_outn,
-    STATS, DELTA, A, C, KEY_MASK, heads, group, N, M, qk_scale, scale,
-    SWEEP: tl.constexpr,
+    STATS, DELTA, A, C, KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right, heads, group, N, M, qk_scale,
+    scale, SWEEP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
+    BAND: tl.constexpr, HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr,
+    PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r"""One query block of the row sweep ``SWEEP`` (:func:`_rows_inner`), key blocks split as in the
-    forward (causal: the diagonal blocks masked, those right of it skipped):
+    forward (:func:`~flashbob.kernels.common.row_masks`: blocks no query sees skipped, partly seen ones masked):
 
     * ``"bob_scalars"`` stores :math:`A_i = a_i` and :math:`C_i = c_i - A_i \Delta_i`;
     * ``"bob_q_bar"`` reads A and C and stores :math:`\bar Q` into ``OUT``;
     * ``"bob_do_bar"`` reads A and stores :math:`d\bar O` into ``OUT``.
 
     Absent cotangents' pointers are never read. ``TMA`` (the ``"tma"`` variant): tiles through tensor
-    descriptors, and the whole key blocks left of the diagonal in a loop of their own without the key-range and
-    causal masks (:func:`~flashbob.kernels.common.whole_block_end`).
+    descriptors.
     """
     start_m, rows, batch_head, batch, head, kv_head, key_mask_base = common.query_block(heads, group, KEY_MASK, M, BLOCK_M)
     k_src, v_src, w_bar_src, z_bar_src = common.head_tile_sources(K, V, W_BAR, Z_BAR, batch, kv_head, stride_kb,
@@ -208,7 +210,8 @@ def _bob_rows_kernel(
     row_max, log_sum = common.load_softmax_stats(common.softmax_stats_pointer(STATS, batch_head, N), rows, N)
     delta = common.load_rows(common.row_vector_pointer(DELTA, batch_head, N), rows, N)
     acc_dtype = DELTA.dtype.element_ty
-    unmasked_end, end = common.row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
+    lo, hi, row_ids, k_ids_base, start, whole_start, whole_end, end = common.row_masks(
+        rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, BLOCK_N, BAND, DOCUMENTS)
 
     if SWEEP == "bob_scalars":
         a = tl.zeros([BLOCK_M], dtype=acc_dtype)
@@ -217,24 +220,24 @@ def _bob_rows_kernel(
         a = common.load_rows(common.row_vector_pointer(A, batch_head, N), rows, N)
         c = common.load_rows(common.row_vector_pointer(C, batch_head, N), rows, N)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)  # untouched (and not kept) in the scalar sweep
-    whole_end = common.whole_block_end(unmasked_end, BLOCK_N, TMA)
-    if TMA:
-        acc, a, c = _rows_inner(
-            acc, a, c, q, do, u_bar, row_max, log_sum, delta, k_src, v_src, w_bar_src, z_bar_src, stride_kn,
-            stride_vn, stride_wn, stride_zn, rows, 0, whole_end, M, qk_scale, scale, key_mask_base, HEAD_DIM, BLOCK_D,
-            BLOCK_N, False, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, HAS_KEY_MASK, SWEEP, TMA, True,
-        )
     acc, a, c = _rows_inner(
         acc, a, c, q, do, u_bar, row_max, log_sum, delta, k_src, v_src, w_bar_src, z_bar_src, stride_kn, stride_vn,
-        stride_wn, stride_zn, rows, whole_end, unmasked_end, M, qk_scale, scale, key_mask_base, HEAD_DIM, BLOCK_D,
-        BLOCK_N, False, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, HAS_KEY_MASK, SWEEP, TMA, False,
+        stride_wn, stride_zn, rows, start, whole_start, N, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
+        key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, DOCUMENTS,
+        HAS_KEY_MASK, SWEEP, TMA,
     )
-    if CAUSAL:
-        acc, a, c = _rows_inner(
-            acc, a, c, q, do, u_bar, row_max, log_sum, delta, k_src, v_src, w_bar_src, z_bar_src, stride_kn,
-            stride_vn, stride_wn, stride_zn, rows, unmasked_end, end, M, qk_scale, scale, key_mask_base, HEAD_DIM,
-            BLOCK_D, BLOCK_N, True, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, HAS_KEY_MASK, SWEEP, TMA, False,
-        )
+    acc, a, c = _rows_inner(
+        acc, a, c, q, do, u_bar, row_max, log_sum, delta, k_src, v_src, w_bar_src, z_bar_src, stride_kn, stride_vn,
+        stride_wn, stride_zn, rows, whole_start, whole_end, N, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
+        key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, DOCUMENTS,
+        HAS_KEY_MASK, SWEEP, TMA,
+    )
+    acc, a, c = _rows_inner(
+        acc, a, c, q, do, u_bar, row_max, log_sum, delta, k_src, v_src, w_bar_src, z_bar_src, stride_kn, stride_vn,
+        stride_wn, stride_zn, rows, whole_end, end, N, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
+        key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, DOCUMENTS,
+        HAS_KEY_MASK, SWEEP, TMA,
+    )
 
     if SWEEP == "bob_scalars":
         c = c - a * delta
@@ -254,10 +257,10 @@ def _bob_rows_kernel(
 def _columns_inner(
     k_bar, v_bar, k, v, w_bar, z_bar,
     q_src, do_src, u_bar_src, stats_base, delta_base, a_base, c_base, stride_qn, stride_don, stride_un,
-    keys, start, end, N, qk_scale, scale, key_mask_base, M,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASK_CAUSAL: tl.constexpr,
+    keys, start, end, N, qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, M,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
     HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
+    DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r"""Sweep ``bob_cols``: add query rows ``[start, end)`` of one query head to a key block's
 
@@ -279,9 +282,10 @@ def _columns_inner(
         delta = common.load_rows(delta_base, rows, N)
         c = common.load_rows(c_base, rows, N)
         p_t, dp_t, dp_centered_t, a_bar_t, b_bar_t = _bob_tile(
-            q, k, v, do, u_bar, w_bar, z_bar, row_max, log_sum, delta, rows, keys, M, qk_scale, scale, key_mask_base,
-            TRANSPOSED=True, MASK_CAUSAL=MASK_CAUSAL, WITH_DO=True, HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR,
-            HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK,
+            q, k, v, do, u_bar, w_bar, z_bar, row_max, log_sum, delta, rows, keys, N, M, qk_scale, scale, lo, hi,
+            key_ids, q_ids_base, key_mask_base, TRANSPOSED=True, MASKED=MASKED, WITH_DO=True, HAS_DQ_BAR=HAS_DQ_BAR,
+            HAS_DK_BAR=HAS_DK_BAR, HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS,
+            HAS_KEY_MASK=HAS_KEY_MASK,
         )
         g_s_t = tl.zeros_like(p_t) - c[None, :]
         if HAS_DQ_BAR or HAS_DK_BAR:
@@ -304,14 +308,14 @@ def _bob_columns_kernel(
     stride_dob, stride_doh, stride_don,
     stride_ub, stride_uh, stride_un, stride_wb, stride_wh, stride_wn, stride_zb, stride_zh, stride_zn,
     stride_kbb, stride_kbh, stride_kbn, stride_vbb, stride_vbh, stride_vbn,
-    STATS, DELTA, A, C, KEY_MASK, heads, kv_heads, group, N, M, qk_scale, scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
+    STATS, DELTA, A, C, KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right, heads, kv_heads, group, N, M,
+    qk_scale, scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BAND: tl.constexpr, HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr,
+    PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r"""Sweep ``bob_cols`` for one key block of one kv head: :math:`\bar K = \tau (G_S^\top Q + dS^\top \bar U)`
     and :math:`\bar V = G_{dP}^\top dO`, summed over the ``group`` query heads sharing it
-    (:func:`_columns_inner`); the causal split of the query rows is the one of the dK/dV kernel. ``TMA`` (the
+    (:func:`_columns_inner`); the query rows are split as in the dK/dV kernel. ``TMA`` (the
     ``"tma"`` variant): tiles through tensor descriptors."""
     start_n, keys, batch, kv_head, key_mask_base = common.key_block(kv_heads, KEY_MASK, M, BLOCK_N)
     acc_dtype = DELTA.dtype.element_ty
@@ -326,7 +330,8 @@ def _bob_columns_kernel(
                                                 stride_vn, stride_wn, stride_zn, HEAD_DIM, BLOCK_D, HAS_DK_BAR,
                                                 HAS_DV_BAR, TMA)
 
-    masked_end = common.column_block_masked_end(start_n, N, BLOCK_M, BLOCK_N, CAUSAL)
+    lo, hi, key_ids, q_ids_base, start, whole_start, whole_end, end = common.column_masks(
+        keys, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, BLOCK_M, BAND, DOCUMENTS)
     for member in tl.range(group, num_stages=1):  # never pipelined: common.group_query_head
         head, batch_head, q_base, do_base, stats_base, delta_base = common.group_query_head(
             Q, DO, STATS, DELTA, batch, heads, kv_head, group, member, N, stride_qb, stride_qh, stride_dob, stride_doh)
@@ -336,18 +341,23 @@ def _bob_columns_kernel(
         do_src = common.tile_source(do_base, N, stride_don, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
         u_bar_src = common.head_tile_source(U_BAR, batch, head, stride_ub, stride_uh, N, stride_un, HEAD_DIM, BLOCK_M,
                                             BLOCK_D, TMA and HAS_DQ_BAR)
-        if CAUSAL:
-            k_bar, v_bar = _columns_inner(
-                k_bar, v_bar, k, v, w_bar, z_bar, q_src, do_src, u_bar_src, stats_base, delta_base, a_base,
-                c_base, stride_qn, stride_don, stride_un, keys, start_n, masked_end, N, qk_scale, scale,
-                key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, MASK_CAUSAL=True, HAS_DQ_BAR=HAS_DQ_BAR,
-                HAS_DK_BAR=HAS_DK_BAR, HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK, TMA=TMA,
-            )
         k_bar, v_bar = _columns_inner(
-            k_bar, v_bar, k, v, w_bar, z_bar, q_src, do_src, u_bar_src, stats_base, delta_base, a_base,
-            c_base, stride_qn, stride_don, stride_un, keys, masked_end, N, N, qk_scale, scale,
-            key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, MASK_CAUSAL=False, HAS_DQ_BAR=HAS_DQ_BAR,
-            HAS_DK_BAR=HAS_DK_BAR, HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK, TMA=TMA,
+            k_bar, v_bar, k, v, w_bar, z_bar, q_src, do_src, u_bar_src, stats_base, delta_base, a_base, c_base,
+            stride_qn, stride_don, stride_un, keys, start, whole_start, N, qk_scale, scale, lo, hi, key_ids, q_ids_base,
+            key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, MASKED=True, HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR,
+            HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, HAS_KEY_MASK=HAS_KEY_MASK, TMA=TMA,
+        )
+        k_bar, v_bar = _columns_inner(
+            k_bar, v_bar, k, v, w_bar, z_bar, q_src, do_src, u_bar_src, stats_base, delta_base, a_base, c_base,
+            stride_qn, stride_don, stride_un, keys, whole_start, whole_end, N, qk_scale, scale, lo, hi, key_ids, q_ids_base,
+            key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, MASKED=False, HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR,
+            HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, HAS_KEY_MASK=HAS_KEY_MASK, TMA=TMA,
+        )
+        k_bar, v_bar = _columns_inner(
+            k_bar, v_bar, k, v, w_bar, z_bar, q_src, do_src, u_bar_src, stats_base, delta_base, a_base, c_base,
+            stride_qn, stride_don, stride_un, keys, whole_end, end, N, qk_scale, scale, lo, hi, key_ids, q_ids_base,
+            key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, MASKED=True, HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR,
+            HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, HAS_KEY_MASK=HAS_KEY_MASK, TMA=TMA,
         )
 
     common.store_head_block(K_BAR, k_bar * scale, batch, kv_head, stride_kbb, stride_kbh, start_n, keys, M, stride_kbn,
@@ -362,7 +372,8 @@ def _bob_columns_kernel(
 def bob(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, o: torch.Tensor, stats: torch.Tensor,
     delta: torch.Tensor, dq_bar: torch.Tensor | None, dk_bar: torch.Tensor | None, dv_bar: torch.Tensor | None,
-    *, causal: bool, scale: float, allow_tf32: bool = False, key_mask: torch.Tensor | None = None,
+    *, causal: bool, scale: float, allow_tf32: bool = False, key_mask: torch.Tensor | None = None, window=None,
+    q_ids: torch.Tensor | None = None, k_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""Backward-over-backward: the vector-Jacobian product of :math:`(Q, K, V, dO) \mapsto (dQ, dK, dV)`
     with cotangents :math:`(\bar U, \bar W, \bar Z)` = ``(dq_bar, dk_bar, dv_bar)``.
@@ -379,7 +390,7 @@ def bob(
     Δ are treated as constants: the formulas already contain every path through them.
 
     Args:
-        q, k, v, causal, scale, allow_tf32, key_mask: as in :func:`flashbob.kernels.forward`.
+        q, k, v, causal, scale, allow_tf32, key_mask, window, q_ids, k_ids: as in :func:`flashbob.kernels.forward`.
         do: the cotangent the backward was run with; delta: from the backward; stats: from the forward.
         o: the forward output (shape-checked only: these kernels form dŌ as :math:`G_{dP} V + P \bar Z`).
         dq_bar: ``(B, H, N, d)``; dk_bar, dv_bar: ``(B, Hkv, M, d)``; each may be None (= zero), which
@@ -393,7 +404,7 @@ def bob(
                              ("dv_bar", dv_bar, v))
     if dq_bar is None and dk_bar is None and dv_bar is None:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(do)
-    key_mask, has_key_mask = common.key_mask_operand(key_mask, q, k)
+    masks = common.KernelMasks(q, k, causal=causal, window=window, key_mask=key_mask, q_ids=q_ids, k_ids=k_ids)
     q, k, v, do = (common.operand(x, q) for x in (q, k, v, do))
     batch, heads, n, head_dim = q.shape
     kv_heads, m = k.shape[1], k.shape[2]
@@ -404,7 +415,7 @@ def bob(
     u_bar = q if dq_bar is None else common.operand(dq_bar, q)
     w_bar = k if dk_bar is None else common.operand(dk_bar, q)
     z_bar = k if dv_bar is None else common.operand(dv_bar, q)
-    constants = common.kernel_constants(q, causal, allow_tf32, has_key_mask, HAS_DQ_BAR=dq_bar is not None,
+    constants = common.kernel_constants(q, masks, allow_tf32, HAS_DQ_BAR=dq_bar is not None,
                                         HAS_DK_BAR=dk_bar is not None, HAS_DV_BAR=dv_bar is not None)
     scalars = (heads // kv_heads, n, m, scale * common.LOG2E.value, scale)
 
@@ -412,7 +423,8 @@ def bob(
         """Launch the row sweep ``sweep`` over every query block; its d-vector output goes to ``out``."""
         configs.launch(
             sweep, _bob_rows_kernel, common.row_grid(n, batch * heads),
-            *common.with_strides(q, k, v, do, u_bar, w_bar, z_bar, out), stats, delta, a, c, key_mask, heads, *scalars,
+            *common.with_strides(q, k, v, do, u_bar, w_bar, z_bar, out), stats, delta, a, c, *masks.row_arguments(),
+            heads, *scalars,
             head_dim=head_dim, dtype=q.dtype, length=n, descriptors=(q, k, v, do, u_bar, w_bar, z_bar, out),
             **constants, SWEEP=sweep,
         )
@@ -422,8 +434,8 @@ def bob(
     row_sweep("bob_do_bar", out=do_bar)  # dO-bar, from A
     configs.launch(  # K-bar and V-bar, from A and C
         "bob_cols", _bob_columns_kernel, common.column_grid(m, batch * kv_heads),
-        *common.with_strides(q, k, v, do, u_bar, w_bar, z_bar, k_bar, v_bar), stats, delta, a, c, key_mask, heads,
-        kv_heads, *scalars, head_dim=head_dim, dtype=q.dtype, length=m,
+        *common.with_strides(q, k, v, do, u_bar, w_bar, z_bar, k_bar, v_bar), stats, delta, a, c,
+        *masks.column_arguments(), heads, kv_heads, *scalars, head_dim=head_dim, dtype=q.dtype, length=m,
         descriptors=(q, k, v, do, u_bar, w_bar, z_bar, k_bar, v_bar), **constants,
     )
     return q_bar, k_bar, v_bar, do_bar
