@@ -56,10 +56,11 @@ def _p_s_dot(
 @triton.jit
 def _o_dot_inner(
     acc, r_rounded, q, q_dot, row_max, log_sum, k_src, v_src, k_dot_src, v_dot_src,
-    stride_kn, stride_vn, stride_kdn, stride_vdn, rows, start, end, M, qk_scale, scale, key_mask_base,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr,
+    stride_kn, stride_vn, stride_kdn, stride_vdn, start, end, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
+    key_mask_base,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr, WHOLE_BLOCK: tl.constexpr,
+    DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r"""Add key blocks ``[start, end)`` to a query block's
     :math:`\mathrm{acc}_i \mathrel{+}= \sum_j \tilde X_{ij} V_j + P_{ij} \dot V_j` and
@@ -71,14 +72,14 @@ def _o_dot_inner(
     where it should (a row with one visible key has :math:`\dot O = \dot V_j`, and its term
     :math:`\tilde X (V_j - O_i)` is 0 in any dtype), where :math:`\dot r_i O_i` would leave the rounding
     of :math:`\tilde X`. Key-side tiles through their sources (:func:`~flashbob.kernels.common.tile_sources`);
-    ``WHOLE_BLOCK``: :func:`~flashbob.kernels.common.mask_scores`.
+    ``MASKED`` and the masks: :func:`~flashbob.kernels.common.mask_scores`.
     """
     for start_n in range(start, end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
         k = common.load_block(k_src, start_n, keys, M, stride_kn, HEAD_DIM, BLOCK_D, TMA)
-        p = common.probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
-                                 MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK,
-                                 WHOLE_BLOCK=WHOLE_BLOCK)
+        p = common.probabilities(q, k, row_max, log_sum, keys, M, qk_scale, lo, hi, row_ids, k_ids_base,
+                                 key_mask_base, MASKED=MASKED, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS,
+                                 HAS_KEY_MASK=HAS_KEY_MASK)
         if HAS_Q_DOT or HAS_K_DOT:
             v, p_s_dot = _p_s_dot(p, q, q_dot, k, v_src, k_dot_src, stride_vn, stride_kdn, start_n, keys, M, scale,
                                   HEAD_DIM, BLOCK_D, HAS_Q_DOT=HAS_Q_DOT, HAS_K_DOT=HAS_K_DOT, PRECISION=PRECISION,
@@ -100,10 +101,11 @@ def _o_dot_kernel(
     stride_ob, stride_oh, stride_on,
     stride_qdb, stride_qdh, stride_qdn, stride_kdb, stride_kdh, stride_kdn, stride_vdb, stride_vdh, stride_vdn,
     stride_odb, stride_odh, stride_odn,
-    STATS, R_DOT, KEY_MASK, heads, group, N, M, qk_scale, scale,
+    STATS, R_DOT, KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right, heads, group, N, M,
+    qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
+    BAND: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr,
+    PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r"""One query block's :math:`\dot O = \mathrm{acc} - \tilde r \circ O` (:func:`_o_dot_inner`) and
     :math:`\tilde r`, the tangent of the row log-sum-exp, into ``R_DOT``; key blocks split as in the forward.
@@ -126,27 +128,24 @@ def _o_dot_kernel(
                                                                   stride_kdh, stride_vdb, stride_vdh, M, stride_kn,
                                                                   stride_vn, stride_kdn, stride_vdn, HEAD_DIM, BLOCK_N,
                                                                   BLOCK_D, HAS_K_DOT, HAS_V_DOT, TMA)
-    unmasked_end, end = common.row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
-    whole_end = common.whole_block_end(unmasked_end, BLOCK_N, TMA)
-    if TMA:
-        acc, r_rounded = _o_dot_inner(
-            acc, r_rounded, q, q_dot, row_max, log_sum, k_src, v_src, k_dot_src, v_dot_src,
-            stride_kn, stride_vn, stride_kdn, stride_vdn, rows, 0, whole_end, M, qk_scale, scale, key_mask_base,
-            HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, HAS_KEY_MASK, TMA, True,
-        )
+    lo, hi, row_ids, k_ids_base, start, whole_start, whole_end, end = common.row_masks(
+        rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, BLOCK_N, BAND, DOCUMENTS)
     acc, r_rounded = _o_dot_inner(
-        acc, r_rounded, q, q_dot, row_max, log_sum, k_src, v_src, k_dot_src, v_dot_src,
-        stride_kn, stride_vn, stride_kdn, stride_vdn, rows, whole_end, unmasked_end, M, qk_scale, scale,
-        key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, HAS_KEY_MASK,
-        TMA, False,
+        acc, r_rounded, q, q_dot, row_max, log_sum, k_src, v_src, k_dot_src, v_dot_src, stride_kn, stride_vn,
+        stride_kdn, stride_vdn, start, whole_start, M, qk_scale, scale, lo, hi, row_ids, k_ids_base, key_mask_base,
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS, HAS_KEY_MASK, TMA,
     )
-    if CAUSAL:
-        acc, r_rounded = _o_dot_inner(
-            acc, r_rounded, q, q_dot, row_max, log_sum, k_src, v_src, k_dot_src, v_dot_src,
-            stride_kn, stride_vn, stride_kdn, stride_vdn, rows, unmasked_end, end, M, qk_scale, scale,
-            key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION,
-            HAS_KEY_MASK, TMA, False,
-        )
+    acc, r_rounded = _o_dot_inner(
+        acc, r_rounded, q, q_dot, row_max, log_sum, k_src, v_src, k_dot_src, v_dot_src, stride_kn, stride_vn,
+        stride_kdn, stride_vdn, whole_start, whole_end, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
+        key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS,
+        HAS_KEY_MASK, TMA,
+    )
+    acc, r_rounded = _o_dot_inner(
+        acc, r_rounded, q, q_dot, row_max, log_sum, k_src, v_src, k_dot_src, v_dot_src, stride_kn, stride_vn,
+        stride_kdn, stride_vdn, whole_end, end, M, qk_scale, scale, lo, hi, row_ids, k_ids_base, key_mask_base,
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS, HAS_KEY_MASK, TMA,
+    )
     o_src = common.head_tile_source(O, batch, head, stride_ob, stride_oh, N, stride_on, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
     o_dot_src = common.head_tile_source(O_DOT, batch, head, stride_odb, stride_odh, N, stride_odn, HEAD_DIM, BLOCK_M,
                                         BLOCK_D, TMA)
@@ -162,21 +161,22 @@ def _o_dot_kernel(
 @triton.jit
 def _row_scalars_inner(
     r_dot, delta_dot, q, q_dot, do, row_max, log_sum, delta, k_src, v_src, k_dot_src, v_dot_src,
-    stride_kn, stride_vn, stride_kdn, stride_vdn, rows, start, end, M, qk_scale, scale, key_mask_base,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr,
+    stride_kn, stride_vn, stride_kdn, stride_vdn, start, end, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
+    key_mask_base,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr, WHOLE_BLOCK: tl.constexpr,
+    DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r"""Add key blocks ``[start, end)`` to a query block's :math:`\dot r_i \mathrel{+}= \sum_j P_{ij} \dot S_{ij}`
     and ``delta_dot`` :math:`\mathrel{+}= \sum_j P_{ij} (\dot S_{ij} (dP_{ij} - \Delta_i) + (dO \dot V^\top)_{ij})`,
     which is :math:`dO_i \cdot \dot O_i` (:math:`\sum_j P_{ij} (dP_{ij} - \Delta_i) = 0`), all in float32.
-    Key-side tiles and ``WHOLE_BLOCK`` as in :func:`_o_dot_inner`."""
+    Key-side tiles and the masks as in :func:`_o_dot_inner`."""
     for start_n in range(start, end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
         k = common.load_block(k_src, start_n, keys, M, stride_kn, HEAD_DIM, BLOCK_D, TMA)
-        p = common.probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
-                                 MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK,
-                                 WHOLE_BLOCK=WHOLE_BLOCK)
+        p = common.probabilities(q, k, row_max, log_sum, keys, M, qk_scale, lo, hi, row_ids, k_ids_base,
+                                 key_mask_base, MASKED=MASKED, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS,
+                                 HAS_KEY_MASK=HAS_KEY_MASK)
         x = tl.zeros_like(p)
         if HAS_Q_DOT or HAS_K_DOT:
             v, p_s_dot = _p_s_dot(p, q, q_dot, k, v_src, k_dot_src, stride_vn, stride_kdn, start_n, keys, M, scale,
@@ -198,10 +198,12 @@ def _row_scalars_kernel(
     stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
     stride_qdb, stride_qdh, stride_qdn, stride_kdb, stride_kdh, stride_kdn, stride_vdb, stride_vdh, stride_vdn,
     stride_dodb, stride_dodh, stride_dodn,
-    STATS, DELTA, R_DOT, DELTA_DOT, KEY_MASK, heads, group, N, M, qk_scale, scale,
+    STATS, DELTA, R_DOT, DELTA_DOT, KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right, heads, group, N, M,
+    qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr,
-    HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
+    BAND: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr,
+    HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     r"""The backward's first sweep: one query block's row scalars :math:`\dot r` and
     :math:`\dot\Delta_i = d\dot O_i \cdot O_i + dO_i \cdot \dot O_i` (:func:`_row_scalars_inner`; no
@@ -231,27 +233,26 @@ def _row_scalars_kernel(
                                                                       stride_kdh, stride_vdb, stride_vdh, M, stride_kn,
                                                                       stride_vn, stride_kdn, stride_vdn, HEAD_DIM,
                                                                       BLOCK_N, BLOCK_D, HAS_K_DOT, HAS_V_DOT, TMA)
-        unmasked_end, end = common.row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
-        whole_end = common.whole_block_end(unmasked_end, BLOCK_N, TMA)
-        if TMA:
-            r_dot, delta_dot = _row_scalars_inner(
-                r_dot, delta_dot, q, q_dot, do, row_max, log_sum, delta, k_src, v_src, k_dot_src, v_dot_src,
-                stride_kn, stride_vn, stride_kdn, stride_vdn, rows, 0, whole_end, M, qk_scale, scale, key_mask_base,
-                HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, HAS_KEY_MASK, TMA, True,
-            )
+        lo, hi, row_ids, k_ids_base, start, whole_start, whole_end, end = common.row_masks(
+            rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, BLOCK_N, BAND, DOCUMENTS)
         r_dot, delta_dot = _row_scalars_inner(
-            r_dot, delta_dot, q, q_dot, do, row_max, log_sum, delta, k_src, v_src, k_dot_src, v_dot_src,
-            stride_kn, stride_vn, stride_kdn, stride_vdn, rows, whole_end, unmasked_end, M, qk_scale, scale,
-            key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION,
-            HAS_KEY_MASK, TMA, False,
+            r_dot, delta_dot, q, q_dot, do, row_max, log_sum, delta, k_src, v_src, k_dot_src, v_dot_src, stride_kn,
+            stride_vn, stride_kdn, stride_vdn, start, whole_start, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
+            key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS,
+            HAS_KEY_MASK, TMA,
         )
-        if CAUSAL:
-            r_dot, delta_dot = _row_scalars_inner(
-                r_dot, delta_dot, q, q_dot, do, row_max, log_sum, delta, k_src, v_src, k_dot_src, v_dot_src,
-                stride_kn, stride_vn, stride_kdn, stride_vdn, rows, unmasked_end, end, M, qk_scale, scale,
-                key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION,
-                HAS_KEY_MASK, TMA, False,
-            )
+        r_dot, delta_dot = _row_scalars_inner(
+            r_dot, delta_dot, q, q_dot, do, row_max, log_sum, delta, k_src, v_src, k_dot_src, v_dot_src, stride_kn,
+            stride_vn, stride_kdn, stride_vdn, whole_start, whole_end, M, qk_scale, scale, lo, hi, row_ids,
+            k_ids_base, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION,
+            DOCUMENTS, HAS_KEY_MASK, TMA,
+        )
+        r_dot, delta_dot = _row_scalars_inner(
+            r_dot, delta_dot, q, q_dot, do, row_max, log_sum, delta, k_src, v_src, k_dot_src, v_dot_src, stride_kn,
+            stride_vn, stride_kdn, stride_vdn, whole_end, end, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
+            key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS,
+            HAS_KEY_MASK, TMA,
+        )
     if HAS_DO_DOT:
         o_src = common.head_tile_source(O, batch, head, stride_ob, stride_oh, N, stride_on, HEAD_DIM, BLOCK_M, BLOCK_D,
                                         TMA)
@@ -271,23 +272,24 @@ def _row_scalars_kernel(
 def _dq_dot_inner(
     dq_dot, q, q_dot, do, do_dot, row_max, log_sum, delta, r_dot, delta_dot,
     k_src, v_src, k_dot_src, v_dot_src, stride_kn, stride_vn, stride_kdn, stride_vdn,
-    rows, start, end, M, qk_scale, scale, key_mask_base,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr,
+    start, end, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
+    key_mask_base,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr, HAS_DO_DOT: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr, WHOLE_BLOCK: tl.constexpr,
+    PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r"""Add key blocks ``[start, end)`` to a query block's
     :math:`d\dot Q_i / \tau \mathrel{+}= \sum_j d\dot S_{ij} K_j + dS_{ij} \dot K_j` with
     :math:`d\dot S = P \circ ((\dot S - \dot r) \circ (dP - \Delta) + d\dot P - \dot\Delta)`; key-side tiles
-    and ``WHOLE_BLOCK`` as in :func:`_o_dot_inner`."""
+    and the masks as in :func:`_o_dot_inner`."""
     for start_n in range(start, end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
         k, v, k_dot, v_dot = common.load_tile_group(k_src, v_src, k_dot_src, v_dot_src, start_n, keys, M, stride_kn,
                                                     stride_vn, stride_kdn, stride_vdn, HEAD_DIM, BLOCK_D, HAS_K_DOT,
                                                     HAS_V_DOT, TMA)
-        p = common.probabilities(q, k, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
-                                 MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK,
-                                 WHOLE_BLOCK=WHOLE_BLOCK)
+        p = common.probabilities(q, k, row_max, log_sum, keys, M, qk_scale, lo, hi, row_ids, k_ids_base,
+                                 key_mask_base, MASKED=MASKED, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS,
+                                 HAS_KEY_MASK=HAS_KEY_MASK)
         dp_centered = tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None]
         g = tl.zeros_like(p) - delta_dot[:, None]
         if HAS_Q_DOT or HAS_K_DOT:
@@ -310,10 +312,12 @@ def _dq_dot_kernel(
     stride_qdb, stride_qdh, stride_qdn, stride_kdb, stride_kdh, stride_kdn, stride_vdb, stride_vdh, stride_vdn,
     stride_dodb, stride_dodh, stride_dodn,
     stride_dqdb, stride_dqdh, stride_dqdn,
-    STATS, DELTA, R_DOT, DELTA_DOT, KEY_MASK, heads, group, N, M, qk_scale, scale,
+    STATS, DELTA, R_DOT, DELTA_DOT, KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right, heads, group, N, M,
+    qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr,
-    HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
+    BAND: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr,
+    HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     r""":math:`d\dot Q = \tau (d\dot S K + dS \dot K)` of one query block, with :math:`\dot r, \Delta, \dot\Delta`
     from the first sweep; key blocks split as in the forward, ``TMA`` (the ``"tma"`` variant) as there."""
@@ -338,28 +342,26 @@ def _dq_dot_kernel(
                                                                   stride_kdh, stride_vdb, stride_vdh, M, stride_kn,
                                                                   stride_vn, stride_kdn, stride_vdn, HEAD_DIM, BLOCK_N,
                                                                   BLOCK_D, HAS_K_DOT, HAS_V_DOT, TMA)
-    unmasked_end, end = common.row_block_key_ranges(start_m, M, BLOCK_M, BLOCK_N, CAUSAL)
-    whole_end = common.whole_block_end(unmasked_end, BLOCK_N, TMA)
-    if TMA:
-        dq_dot = _dq_dot_inner(
-            dq_dot, q, q_dot, do, do_dot, row_max, log_sum, delta, r_dot, delta_dot, k_src, v_src, k_dot_src,
-            v_dot_src, stride_kn, stride_vn, stride_kdn, stride_vdn, rows, 0, whole_end, M, qk_scale, scale,
-            key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION,
-            HAS_KEY_MASK, TMA, True,
-        )
+    lo, hi, row_ids, k_ids_base, start, whole_start, whole_end, end = common.row_masks(
+        rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, BLOCK_N, BAND, DOCUMENTS)
     dq_dot = _dq_dot_inner(
-        dq_dot, q, q_dot, do, do_dot, row_max, log_sum, delta, r_dot, delta_dot, k_src, v_src, k_dot_src,
-        v_dot_src, stride_kn, stride_vn, stride_kdn, stride_vdn, rows, whole_end, unmasked_end, M, qk_scale, scale,
-        key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION,
-        HAS_KEY_MASK, TMA, False,
+        dq_dot, q, q_dot, do, do_dot, row_max, log_sum, delta, r_dot, delta_dot, k_src, v_src, k_dot_src, v_dot_src,
+        stride_kn, stride_vn, stride_kdn, stride_vdn, start, whole_start, M, qk_scale, scale, lo, hi, row_ids,
+        k_ids_base, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT,
+        PRECISION, DOCUMENTS, HAS_KEY_MASK, TMA,
     )
-    if CAUSAL:
-        dq_dot = _dq_dot_inner(
-            dq_dot, q, q_dot, do, do_dot, row_max, log_sum, delta, r_dot, delta_dot, k_src, v_src, k_dot_src,
-            v_dot_src, stride_kn, stride_vn, stride_kdn, stride_vdn, rows, unmasked_end, end, M, qk_scale, scale,
-            key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION,
-            HAS_KEY_MASK, TMA, False,
-        )
+    dq_dot = _dq_dot_inner(
+        dq_dot, q, q_dot, do, do_dot, row_max, log_sum, delta, r_dot, delta_dot, k_src, v_src, k_dot_src, v_dot_src,
+        stride_kn, stride_vn, stride_kdn, stride_vdn, whole_start, whole_end, M, qk_scale, scale, lo, hi, row_ids,
+        k_ids_base, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT,
+        PRECISION, DOCUMENTS, HAS_KEY_MASK, TMA,
+    )
+    dq_dot = _dq_dot_inner(
+        dq_dot, q, q_dot, do, do_dot, row_max, log_sum, delta, r_dot, delta_dot, k_src, v_src, k_dot_src, v_dot_src,
+        stride_kn, stride_vn, stride_kdn, stride_vdn, whole_end, end, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
+        key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION,
+        DOCUMENTS, HAS_KEY_MASK, TMA,
+    )
     common.store_head_block(DQ_DOT, dq_dot * scale, batch, head, stride_dqdb, stride_dqdh, start_m, rows, N,
                             stride_dqdn, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
 
@@ -371,10 +373,10 @@ def _dq_dot_kernel(
 def _dk_dot_dv_dot_inner(
     dk_dot, dv_dot, k, v, k_dot, v_dot, q_src, do_src, q_dot_src, do_dot_src,
     stats_base, delta_base, r_dot_base, delta_dot_base, stride_qn, stride_don, stride_qdn, stride_dodn,
-    keys, start, end, N, qk_scale, scale, key_mask_base, M,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASK_CAUSAL: tl.constexpr,
+    keys, start, end, N, qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, M,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
     HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr, HAS_DO_DOT: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
+    PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r"""Add query rows ``[start, end)`` of one query head to a key block's
 
@@ -393,8 +395,9 @@ def _dk_dot_dv_dot_inner(
         row_max, log_sum = common.load_softmax_stats(stats_base, rows, N)
         delta = common.load_rows(delta_base, rows, N)
         delta_dot = common.load_rows(delta_dot_base, rows, N)
-        p_t = common.probabilities_transposed(k, q, row_max, log_sum, rows, keys, M, qk_scale, key_mask_base,
-                                              MASK_CAUSAL=MASK_CAUSAL, PRECISION=PRECISION, HAS_KEY_MASK=HAS_KEY_MASK)
+        p_t = common.probabilities_transposed(k, q, row_max, log_sum, rows, keys, N, M, qk_scale, lo, hi, key_ids,
+                                              q_ids_base, key_mask_base, MASKED=MASKED, PRECISION=PRECISION,
+                                              DOCUMENTS=DOCUMENTS, HAS_KEY_MASK=HAS_KEY_MASK)
         dp_centered_t = tl.dot(v, tl.trans(do), input_precision=PRECISION) - delta[None, :]
         g_t = tl.zeros_like(p_t) - delta_dot[None, :]
         if HAS_Q_DOT or HAS_K_DOT:
@@ -424,15 +427,16 @@ def _dk_dot_dv_dot_kernel(
     stride_qdb, stride_qdh, stride_qdn, stride_kdb, stride_kdh, stride_kdn, stride_vdb, stride_vdh, stride_vdn,
     stride_dodb, stride_dodh, stride_dodn,
     stride_dkdb, stride_dkdh, stride_dkdn, stride_dvdb, stride_dvdh, stride_dvdn,
-    STATS, DELTA, R_DOT, DELTA_DOT, KEY_MASK, heads, kv_heads, group, N, M, qk_scale, scale,
+    STATS, DELTA, R_DOT, DELTA_DOT, KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right, heads, kv_heads, group,
+    N, M, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr,
-    HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
+    BAND: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr,
+    HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     r""":math:`d\dot K = \tau (d\dot S^\top Q + dS^\top \dot Q)` and
     :math:`d\dot V = (P \circ (\dot S - \dot r))^\top dO + P^\top d\dot O` of one key block of one kv head,
-    summed over the ``group`` query heads sharing it; the causal split of the query rows is the one of
-    the dK/dV kernel. One sweep for both: a dK-dot sweep and a dV-dot sweep apart (8 + 5 products against 10)
+    summed over the ``group`` query heads sharing it; the query rows are split as in the dK/dV kernel. One sweep for both: a dK-dot sweep and a dV-dot sweep apart (8 + 5 products against 10)
     took 36.4 ms against 24.3 ms on the H200 (bf16, d = 128, H = 16, N = 16K, tuned configs). ``TMA`` (the
     ``"tma"`` variant): tiles through tensor descriptors."""
     start_n, keys, batch, kv_head, key_mask_base = common.key_block(kv_heads, KEY_MASK, M, BLOCK_N)
@@ -448,7 +452,8 @@ def _dk_dot_dv_dot_kernel(
                                                 stride_vn, stride_kdn, stride_vdn, HEAD_DIM, BLOCK_D, HAS_K_DOT,
                                                 HAS_V_DOT, TMA)
 
-    masked_end = common.column_block_masked_end(start_n, N, BLOCK_M, BLOCK_N, CAUSAL)
+    lo, hi, key_ids, q_ids_base, start, whole_start, whole_end, end = common.column_masks(
+        keys, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, BLOCK_M, BAND, DOCUMENTS)
     for member in tl.range(group, num_stages=1):  # never pipelined: common.group_query_head
         head, batch_head, q_base, do_base, stats_base, delta_base = common.group_query_head(
             Q, DO, STATS, DELTA, batch, heads, kv_head, group, member, N, stride_qb, stride_qh, stride_dob, stride_doh)
@@ -460,18 +465,23 @@ def _dk_dot_dv_dot_kernel(
                                                                    TMA)
         r_dot_base = common.row_vector_pointer(R_DOT, batch_head, N)
         delta_dot_base = common.row_vector_pointer(DELTA_DOT, batch_head, N)
-        if CAUSAL:
-            dk_dot, dv_dot = _dk_dot_dv_dot_inner(
-                dk_dot, dv_dot, k, v, k_dot, v_dot, q_src, do_src, q_dot_src, do_dot_src, stats_base, delta_base,
-                r_dot_base, delta_dot_base, stride_qn, stride_don, stride_qdn, stride_dodn, keys, start_n, masked_end,
-                N, qk_scale, scale, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_Q_DOT, HAS_K_DOT,
-                HAS_V_DOT, HAS_DO_DOT, PRECISION, HAS_KEY_MASK, TMA,
-            )
         dk_dot, dv_dot = _dk_dot_dv_dot_inner(
             dk_dot, dv_dot, k, v, k_dot, v_dot, q_src, do_src, q_dot_src, do_dot_src, stats_base, delta_base,
-            r_dot_base, delta_dot_base, stride_qn, stride_don, stride_qdn, stride_dodn, keys, masked_end, N,
-            N, qk_scale, scale, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_Q_DOT, HAS_K_DOT,
-            HAS_V_DOT, HAS_DO_DOT, PRECISION, HAS_KEY_MASK, TMA,
+            r_dot_base, delta_dot_base, stride_qn, stride_don, stride_qdn, stride_dodn, keys, start, whole_start, N,
+            qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, True,
+            HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION, DOCUMENTS, HAS_KEY_MASK, TMA,
+        )
+        dk_dot, dv_dot = _dk_dot_dv_dot_inner(
+            dk_dot, dv_dot, k, v, k_dot, v_dot, q_src, do_src, q_dot_src, do_dot_src, stats_base, delta_base,
+            r_dot_base, delta_dot_base, stride_qn, stride_don, stride_qdn, stride_dodn, keys, whole_start, whole_end, N,
+            qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, False,
+            HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION, DOCUMENTS, HAS_KEY_MASK, TMA,
+        )
+        dk_dot, dv_dot = _dk_dot_dv_dot_inner(
+            dk_dot, dv_dot, k, v, k_dot, v_dot, q_src, do_src, q_dot_src, do_dot_src, stats_base, delta_base,
+            r_dot_base, delta_dot_base, stride_qn, stride_don, stride_qdn, stride_dodn, keys, whole_end, end, N,
+            qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, True,
+            HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION, DOCUMENTS, HAS_KEY_MASK, TMA,
         )
 
     common.store_head_block(DK_DOT, dk_dot * scale, batch, kv_head, stride_dkdb, stride_dkdh, start_n, keys, M,
@@ -491,7 +501,8 @@ def _tangent_operand(x: torch.Tensor | None, placeholder: torch.Tensor, q: torch
 def forward_jvp(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, stats: torch.Tensor,
     q_dot: torch.Tensor | None, k_dot: torch.Tensor | None, v_dot: torch.Tensor | None,
-    *, causal: bool, scale: float, key_mask: torch.Tensor | None = None, allow_tf32: bool = False,
+    *, causal: bool, scale: float, key_mask: torch.Tensor | None = None, allow_tf32: bool = False, window=None,
+    q_ids: torch.Tensor | None = None, k_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Forward mode of attention: the tangents of :math:`O` and of the statistics along :math:`(\dot Q, \dot K, \dot V)`.
 
@@ -502,7 +513,7 @@ def forward_jvp(
     in one row sweep (P from the forward's statistics, no N x M tensor).
 
     Args:
-        q, k, v, causal, scale, allow_tf32, key_mask: as in :func:`flashbob.kernels.forward`.
+        q, k, v, causal, scale, allow_tf32, key_mask, window, q_ids, k_ids: as in :func:`flashbob.kernels.forward`.
         o, stats: the forward's outputs (constants here).
         q_dot: ``(B, H, N, d)``; k_dot, v_dot: ``(B, Hkv, M, d)``; each may be None (= zero), which compiles
             its terms out. When all three are None, zeros are returned without a launch.
@@ -517,19 +528,19 @@ def forward_jvp(
     common.check_shaped_like(("o", o, q), ("q_dot", q_dot, q), ("k_dot", k_dot, k), ("v_dot", v_dot, v))
     if q_dot is None and k_dot is None and v_dot is None:
         return torch.zeros_like(q), torch.zeros_like(stats)
-    key_mask, has_key_mask = common.key_mask_operand(key_mask, q, k)
+    masks = common.KernelMasks(q, k, causal=causal, window=window, key_mask=key_mask, q_ids=q_ids, k_ids=k_ids)
     q, k, v, o = (common.operand(x, q) for x in (q, k, v, o))
     stats = common.softmax_stats(stats, q)
     r_dot = torch.empty(q.shape[:3], dtype=stats.dtype, device=q.device)
-    constants = common.kernel_constants(q, causal, allow_tf32, has_key_mask, HAS_Q_DOT=q_dot is not None,
+    constants = common.kernel_constants(q, masks, allow_tf32, HAS_Q_DOT=q_dot is not None,
                                         HAS_K_DOT=k_dot is not None, HAS_V_DOT=v_dot is not None)
     q_dot, k_dot, v_dot = (_tangent_operand(x, like, q) for x, like in ((q_dot, q), (k_dot, k), (v_dot, k)))
     o_dot = torch.empty_like(q)
     batch, heads, n, head_dim = q.shape
     configs.launch(
         "jvp_fwd", _o_dot_kernel, common.row_grid(n, batch * heads),
-        *common.with_strides(q, k, v, o, q_dot, k_dot, v_dot, o_dot), stats, r_dot, key_mask, heads,
-        heads // k.shape[1], n, k.shape[2], scale * common.LOG2E.value, scale, head_dim=head_dim, dtype=q.dtype,
+        *common.with_strides(q, k, v, o, q_dot, k_dot, v_dot, o_dot), stats, r_dot, *masks.row_arguments(),
+        heads, heads // k.shape[1], n, k.shape[2], scale * common.LOG2E.value, scale, head_dim=head_dim, dtype=q.dtype,
         length=n, descriptors=(q, k, v, o, q_dot, k_dot, v_dot, o_dot), **constants,
     )
     return o_dot, common.statistics_tangent(r_dot)
@@ -539,7 +550,8 @@ def backward_jvp(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, o: torch.Tensor, stats: torch.Tensor,
     delta: torch.Tensor, q_dot: torch.Tensor | None, k_dot: torch.Tensor | None, v_dot: torch.Tensor | None,
     do_dot: torch.Tensor | None, *, causal: bool, scale: float, key_mask: torch.Tensor | None = None,
-    allow_tf32: bool = False, o_dot: torch.Tensor | None = None, stats_dot: torch.Tensor | None = None,
+    allow_tf32: bool = False, o_dot: torch.Tensor | None = None, stats_dot: torch.Tensor | None = None, window=None,
+    q_ids: torch.Tensor | None = None, k_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""Forward mode of the backward: the tangents of :math:`(dQ, dK, dV)` along :math:`(\dot Q, \dot K, \dot V, d\dot O)`.
 
@@ -558,7 +570,7 @@ def backward_jvp(
     Without them O, the statistics and Δ are constants: the formulas contain every path through them.
 
     Args:
-        q, k, v, causal, scale, allow_tf32, key_mask: as in :func:`flashbob.kernels.forward`.
+        q, k, v, causal, scale, allow_tf32, key_mask, window, q_ids, k_ids: as in :func:`flashbob.kernels.forward`.
         do: the cotangent the backward was run with; o, stats: forward outputs; delta: from the backward.
         o_dot, stats_dot: both or neither: the tangents of ``o`` and ``stats`` along the same ``q_dot, k_dot,
             v_dot`` (:func:`forward_jvp`'s).
@@ -575,12 +587,12 @@ def backward_jvp(
     check_forward_tangents(o_dot, stats_dot)
     if q_dot is None and k_dot is None and v_dot is None and do_dot is None and o_dot is None:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    key_mask, has_key_mask = common.key_mask_operand(key_mask, q, k)
+    masks = common.KernelMasks(q, k, causal=causal, window=window, key_mask=key_mask, q_ids=q_ids, k_ids=k_ids)
     q, k, v, do, o = (common.operand(x, q) for x in (q, k, v, do, o))
     batch, heads, n, head_dim = q.shape
     kv_heads, m = k.shape[1], k.shape[2]
     stats, delta = common.softmax_stats(stats, q), common.row_statistic(delta, q)
-    constants = common.kernel_constants(q, causal, allow_tf32, has_key_mask, HAS_Q_DOT=q_dot is not None,
+    constants = common.kernel_constants(q, masks, allow_tf32, HAS_Q_DOT=q_dot is not None,
                                         HAS_K_DOT=k_dot is not None, HAS_V_DOT=v_dot is not None,
                                         HAS_DO_DOT=do_dot is not None)
     tangents = tuple(
@@ -592,8 +604,8 @@ def backward_jvp(
         r_dot, delta_dot = torch.empty_like(delta), torch.empty_like(delta)
         configs.launch(
             "jvp_rows", _row_scalars_kernel, common.row_grid(n, batch * heads),
-            *common.with_strides(q, k, v, o, do, *tangents), stats, delta, r_dot, delta_dot, key_mask, heads,
-            *scalars, head_dim=head_dim, dtype=q.dtype, length=n, descriptors=(q, k, v, o, do, *tangents),
+            *common.with_strides(q, k, v, o, do, *tangents), stats, delta, r_dot, delta_dot,
+            *masks.row_arguments(), heads, *scalars, head_dim=head_dim, dtype=q.dtype, length=n, descriptors=(q, k, v, o, do, *tangents),
             **constants,
         )
     else:
@@ -602,15 +614,16 @@ def backward_jvp(
         delta_dot = row_dot_products(do, common.operand(o_dot, q))
         if do_dot is not None:
             delta_dot += row_dot_products(common.operand(do_dot, q), o)
-    row_scalars = (stats, delta, r_dot, delta_dot, key_mask, heads)
+    row_scalars = (stats, delta, r_dot, delta_dot)
     configs.launch(
         "jvp_dq", _dq_dot_kernel, common.row_grid(n, batch * heads),
-        *common.with_strides(q, k, v, do, *tangents, dq_dot), *row_scalars, *scalars, head_dim=head_dim, dtype=q.dtype,
-        length=n, descriptors=(q, k, v, do, *tangents, dq_dot), **constants,
+        *common.with_strides(q, k, v, do, *tangents, dq_dot), *row_scalars, *masks.row_arguments(), heads,
+        *scalars, head_dim=head_dim, dtype=q.dtype, length=n, descriptors=(q, k, v, do, *tangents, dq_dot), **constants,
     )
     configs.launch(
         "jvp_cols", _dk_dot_dv_dot_kernel, common.column_grid(m, batch * kv_heads),
-        *common.with_strides(q, k, v, do, *tangents, dk_dot, dv_dot), *row_scalars, kv_heads, *scalars,
+        *common.with_strides(q, k, v, do, *tangents, dk_dot, dv_dot), *row_scalars, *masks.column_arguments(),
+        heads, kv_heads, *scalars,
         head_dim=head_dim, dtype=q.dtype, length=m, descriptors=(q, k, v, do, *tangents, dk_dot, dv_dot), **constants,
     )
     return dq_dot, dk_dot, dv_dot
