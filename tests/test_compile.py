@@ -144,41 +144,62 @@ def test_the_kernels_are_operators_in_the_graph(gen):
 
 
 #: Each operator's case: the pass and its arguments (without the kernels' ``allow_tf32``) on :func:`_inputs`'s tensors.
+#: The masks are the key mask with causal, or (the ``*_window_documents`` cases) a window with document ids.
+
+
+def _masks(t: dict, kind: str = "key_mask_causal") -> tuple:
+    """The mask arguments of an operator: ``(key_mask, q_ids, k_ids, causal, window_left, window_right)``."""
+    if kind == "key_mask":
+        return t["key_mask"], None, None, False, None, None
+    if kind == "window_documents":
+        return None, t["q_ids"], t["k_ids"], False, 2, 1
+    return t["key_mask"], None, None, True, None, None
+
+
 CASES = {
-    "forward": ("forward", lambda t: (t["q"], t["k"], t["v"], None, True, 0.5)),
-    "forward_key_mask": ("forward", lambda t: (t["q"], t["k"], t["v"], t["key_mask"], False, 0.5)),
-    "backward": ("backward", lambda t: (t["q"], t["k"], t["v"], t["o"], t["stats"], t["do"], t["key_mask"], True,
-                                        0.5)),
+    "forward": ("forward", lambda t: (t["q"], t["k"], t["v"], None, None, None, True, None, None, 0.5)),
+    "forward_key_mask": ("forward", lambda t: (t["q"], t["k"], t["v"], *_masks(t, "key_mask"), 0.5)),
+    "forward_window_documents": ("forward", lambda t: (t["q"], t["k"], t["v"], *_masks(t, "window_documents"),
+                                                       0.5)),
+    "backward": ("backward", lambda t: (t["q"], t["k"], t["v"], t["o"], t["stats"], t["do"], *_masks(t), 0.5)),
     "bob": ("bob", lambda t: (t["q"], t["k"], t["v"], t["do"], t["o"], t["stats"], t["delta"], t["dq_bar"],
-                              t["dk_bar"], t["dv_bar"], t["key_mask"], True, 0.5)),
+                              t["dk_bar"], t["dv_bar"], *_masks(t), 0.5)),
+    "bob_window_documents": ("bob", lambda t: (t["q"], t["k"], t["v"], t["do"], t["o"], t["stats"], t["delta"],
+                                               t["dq_bar"], t["dk_bar"], t["dv_bar"], *_masks(t, "window_documents"),
+                                               0.5)),
     "bob_dv_bar": ("bob", lambda t: (t["q"], t["k"], t["v"], t["do"], t["o"], t["stats"], t["delta"], None, None,
-                                     t["dv_bar"], t["key_mask"], True, 0.5)),
+                                     t["dv_bar"], *_masks(t), 0.5)),
     "bob_no_cotangents": ("bob", lambda t: (t["q"], t["k"], t["v"], t["do"], t["o"], t["stats"], t["delta"], None,
-                                            None, None, t["key_mask"], True, 0.5)),
+                                            None, None, *_masks(t), 0.5)),
     "forward_jvp": ("forward_jvp", lambda t: (t["q"], t["k"], t["v"], t["o"], t["stats"], t["dq_bar"], None,
-                                              t["dv_bar"], t["key_mask"], True, 0.5)),
+                                              t["dv_bar"], *_masks(t), 0.5)),
     "backward_jvp": ("backward_jvp", lambda t: (t["q"], t["k"], t["v"], t["do"], t["o"], t["stats"], t["delta"],
-                                                t["dq_bar"], t["dk_bar"], None, t["do"], None, None, t["key_mask"],
-                                                True, 0.5)),
+                                                t["dq_bar"], t["dk_bar"], None, t["do"], None, None, *_masks(t),
+                                                0.5)),
     "backward_jvp_forward_tangents": ("backward_jvp", lambda t: (t["q"], t["k"], t["v"], t["do"], t["o"], t["stats"],
                                                                  t["delta"], t["dq_bar"], t["dk_bar"], None, t["do"],
-                                                                 t["o_dot"], t["stats_dot"], t["key_mask"], True,
-                                                                 0.5)),
+                                                                 t["o_dot"], t["stats_dot"], *_masks(t), 0.5)),
+    "backward_jvp_window_documents": ("backward_jvp", lambda t: (t["q"], t["k"], t["v"], t["do"], t["o"],
+                                                                 t["stats"], t["delta"], t["dq_bar"], t["dk_bar"],
+                                                                 t["dv_bar"], t["do"], None, None,
+                                                                 *_masks(t, "window_documents"), 0.5)),
 }
 
 
 def _inputs(gen, ops: dict, options: tuple, device, dtype) -> dict:
-    """Small random attention inputs (2 query heads on 1 kv head, a key mask) and the passes' outputs on them."""
+    """Small random attention inputs (2 query heads on 1 kv head, a key mask, document ids) and the passes' outputs
+    on them."""
     shapes = {"q": (1, 2, 5, 4), "do": (1, 2, 5, 4), "dq_bar": (1, 2, 5, 4), "k": (1, 1, 4, 4), "v": (1, 1, 4, 4),
               "dk_bar": (1, 1, 4, 4), "dv_bar": (1, 1, 4, 4)}
     t = {name: torch.randn(shape, generator=gen, dtype=torch.float64).to(device, dtype)
          for name, shape in shapes.items()}
     t["key_mask"] = torch.tensor([[True, True, False, True]], device=device)
-    t["o"], t["stats"] = ops["forward"](t["q"], t["k"], t["v"], t["key_mask"], True, 0.5, *options)
-    *_, t["delta"] = ops["backward"](t["q"], t["k"], t["v"], t["o"], t["stats"], t["do"], t["key_mask"], True, 0.5,
-                                     *options)
+    t["q_ids"] = torch.tensor([[0, 0, 1, 1, 1]], device=device)
+    t["k_ids"] = torch.tensor([[0, 1, 1, 0]], device=device)
+    t["o"], t["stats"] = ops["forward"](t["q"], t["k"], t["v"], *_masks(t), 0.5, *options)
+    *_, t["delta"] = ops["backward"](t["q"], t["k"], t["v"], t["o"], t["stats"], t["do"], *_masks(t), 0.5, *options)
     t["o_dot"], t["stats_dot"] = ops["forward_jvp"](t["q"], t["k"], t["v"], t["o"], t["stats"], t["dq_bar"],
-                                                    t["dk_bar"], None, t["key_mask"], True, 0.5, *options)
+                                                    t["dk_bar"], None, *_masks(t), 0.5, *options)
     return t
 
 
@@ -200,10 +221,10 @@ def test_the_forward_operator_is_differentiable_once(gen):
     """The forward operator's gradient (what torch.compile differentiates) is the backward operator's."""
     t = _inputs(gen, operators.BLOCKED, (), "cpu", torch.float64)
     q, k, v = (t[name].clone().requires_grad_() for name in ("q", "k", "v"))
-    o, _ = operators.blocked_forward(q, k, v, t["key_mask"], True, 0.5)
+    o, _ = operators.blocked_forward(q, k, v, *_masks(t), 0.5)
     grads = torch.autograd.grad(o, (q, k, v), t["do"])
-    dq, dk, dv, _ = operators.blocked_backward(q, k, v, o, t["stats"], t["do"], t["key_mask"], True, 0.5)
+    dq, dk, dv, _ = operators.blocked_backward(q, k, v, o, t["stats"], t["do"], *_masks(t), 0.5)
     for got, want in zip(grads, (dq, dk, dv), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
-    forward = lambda q, k, v: operators.blocked_forward(q, k, v, t["key_mask"], True, 0.5)[0]  # noqa: E731
+    forward = lambda q, k, v: operators.blocked_forward(q, k, v, *_masks(t), 0.5)[0]  # noqa: E731
     assert torch.autograd.gradcheck(forward, (q, k, v))
