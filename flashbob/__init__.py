@@ -3,11 +3,12 @@
 from flashbob import reference
 from flashbob.attention import attention
 from flashbob.dropin import FallbackError, FallbackWarning, patch_sdpa, sdpa, set_strict
+from flashbob.flex import flex_attention, patch_flex_attention
 
 __version__ = "0.1.0"
 __all__ = [
-    "attention", "sdpa", "patch_sdpa", "set_strict", "FallbackWarning", "FallbackError", "reference", "tune",
-    "__version__",
+    "attention", "sdpa", "patch_sdpa", "flex_attention", "patch_flex_attention", "set_strict", "FallbackWarning",
+    "FallbackError", "reference", "tune", "__version__",
 ]
 
 

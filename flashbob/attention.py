@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -14,7 +15,7 @@ import torch
 from flashbob import operators
 from flashbob.autograd import Attention, apply
 from flashbob.inputs import BackendName, check_backend, check_inputs, check_key_mask, check_options
-from flashbob.masks import check_document_ids, check_window
+from flashbob.masks import block_tiles, check_document_ids, check_window
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,20 @@ def select_backend(q: torch.Tensor, backend: BackendName) -> Backend:
     return TRITON[torch.backends.cuda.matmul.allow_tf32]
 
 
+def _block_mask_backend(backend: BackendName) -> Backend:
+    """The backend of a call with a block mask: the blocked one (the kernels do not take block masks), with a
+    warning, once, where ``auto`` chose the kernels; an error where ``triton`` was asked for."""
+    if backend == "triton":
+        raise ValueError("backend='triton' does not take a block_mask (the kernels do not handle block masks yet); "
+                         "use backend='auto' or 'blocked', or window= / document_ids= where they express the mask")
+    from flashbob.dropin import FallbackWarning
+
+    warnings.warn("flashbob.attention: the Triton kernels do not take a block_mask yet; running it on the blocked "
+                  "backend (exact, memory linear in the sequence length, slower). window= and document_ids= run "
+                  "in the kernels.", FallbackWarning, stacklevel=3)
+    return BLOCKED
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -81,6 +96,7 @@ def attention(
     window: tuple[int | None, int | None] | None = None,
     document_ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
     key_mask: torch.Tensor | None = None,
+    block_mask=None,
     backend: BackendName = "auto",
 ) -> torch.Tensor:
     r"""Softmax attention that can be differentiated twice, exactly and without an ``N x M`` tensor.
@@ -102,6 +118,10 @@ def attention(
         backend: ``"auto"`` (Triton kernels on CUDA, blocked PyTorch elsewhere), ``"triton"`` or ``"blocked"``.
         key_mask: optional bool key-padding mask broadcastable to ``(batch, M)``, True where a key takes
             part. Masked keys get zero ``dK``, ``dV``.
+        block_mask: a ``torch.nn.attention.flex_attention.BlockMask`` (``create_block_mask``) built for ``N``
+            queries and ``M`` keys; the result equals ``flex_attention(q, k, v, block_mask=block_mask)``. Its
+            tiles are held with the element-wise mask of the partial ones only. It runs on the blocked backend
+            (exact, memory linear in the sequence length; the kernels do not take it yet).
 
         The masks combine by AND (:mod:`flashbob.masks`). A query that sees no key at all gets a zero output row
         and zero gradients (never NaN). The passes skip the blocks that no query of a block sees, so the cost
@@ -127,12 +147,16 @@ def attention(
     window = check_window(window)
     q_ids, k_ids = check_document_ids(document_ids, q, k)
     key_mask = check_key_mask(key_mask, q, k)
+    tile_state, tile_bits = block_tiles(block_mask, q, k)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     chosen = select_backend(q, backend)
+    if tile_state is not None and chosen.name == "triton":
+        chosen = _block_mask_backend(backend)
     if torch.compiler.is_compiling():  # traced by torch.compile: its operator, differentiable once
-        o, _stats = chosen.forward(q, k, v, key_mask=key_mask, q_ids=q_ids, k_ids=k_ids, causal=causal, window=window,
-                                   scale=float(scale))
+        o, _stats = chosen.forward(q, k, v, key_mask=key_mask, q_ids=q_ids, k_ids=k_ids, tile_state=tile_state,
+                                   tile_bits=tile_bits, causal=causal, window=window, scale=float(scale))
     else:
-        o, _stats = apply(Attention, q, k, v, key_mask, q_ids, k_ids, causal, window, float(scale), chosen)
+        o, _stats = apply(Attention, q, k, v, key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window,
+                          float(scale), chosen)
     return o

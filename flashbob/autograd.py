@@ -24,8 +24,9 @@ The forward passes (``Attention``, ``AttentionTangent``) run through :func:`flas
 checkpointed block's recomputation can reuse their outputs from its first run.
 
 The masks (:mod:`flashbob.masks`) are non-differentiable inputs of every level: the boolean key-padding mask
-``key_mask`` ``(batch, M)`` and the document ids ``q_ids`` ``(batch, N)``, ``k_ids`` ``(batch, M)`` as tensors
-(batched with the inputs under vmap), ``causal`` and ``window`` as options. All Functions use the ``setup_context`` style and define a ``vmap`` rule that folds
+``key_mask`` ``(batch, M)``, the document ids ``q_ids`` ``(batch, N)``, ``k_ids`` ``(batch, M)`` and a block
+mask's tiles ``tile_state``, ``tile_bits`` as tensors (batched with the inputs under vmap), ``causal`` and
+``window`` as options. All Functions use the ``setup_context`` style and define a ``vmap`` rule that folds
 the vmapped dimension into the batch dimension, so ``torch.func.grad``, ``vjp``, ``jacrev``,
 ``jacfwd`` and ``vmap`` (over any argument, e.g. per-sample gradients) compose with them.
 """
@@ -157,9 +158,10 @@ def apply(function: type[torch.autograd.Function], *args):
     return super(torch.autograd.Function, function).apply(*torch._functorch.utils.unwrap_dead_wrappers(args))
 
 
-def _masks(key_mask, q_ids, k_ids, causal: bool, window) -> dict:
+def _masks(key_mask, q_ids, k_ids, tile_state, tile_bits, causal: bool, window) -> dict:
     """The mask arguments of a backend's pass (:mod:`flashbob.masks`)."""
-    return dict(key_mask=key_mask, q_ids=q_ids, k_ids=k_ids, causal=causal, window=window)
+    return dict(key_mask=key_mask, q_ids=q_ids, k_ids=k_ids, tile_state=tile_state, tile_bits=tile_bits,
+                causal=causal, window=window)
 
 
 class Attention(torch.autograd.Function):
@@ -168,28 +170,28 @@ class Attention(torch.autograd.Function):
 
     @staticmethod
     @_legacy_vmap_support
-    def forward(q, k, v, key_mask, q_ids, k_ids, causal: bool, window, scale: float, backend):
-        return kept.through("forward", (q, k, v, key_mask, q_ids, k_ids, causal, window, scale, backend),
-                            lambda: backend.forward(q, k, v, scale=scale, **_masks(key_mask, q_ids, k_ids, causal,
+    def forward(q, k, v, key_mask, q_ids, k_ids, tile_state, tile_bits, causal: bool, window, scale: float, backend):
+        return kept.through("forward", (q, k, v, key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window, scale, backend),
+                            lambda: backend.forward(q, k, v, scale=scale, **_masks(key_mask, q_ids, k_ids, tile_state, tile_bits, causal,
                                                                                   window)))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, key_mask, q_ids, k_ids, ctx.causal, ctx.window, ctx.scale, ctx.backend = inputs
+        q, k, v, key_mask, q_ids, k_ids, tile_state, tile_bits, ctx.causal, ctx.window, ctx.scale, ctx.backend = inputs
         o, stats = output
         ctx.set_materialize_grads(False)  # absent tangents stay None: the backends skip them
-        ctx.save_for_backward(q, k, v, o, stats, key_mask, q_ids, k_ids)
-        ctx.save_for_forward(q, k, v, o, stats, key_mask, q_ids, k_ids)
+        ctx.save_for_backward(q, k, v, o, stats, key_mask, q_ids, k_ids, tile_state, tile_bits)
+        ctx.save_for_forward(q, k, v, o, stats, key_mask, q_ids, k_ids, tile_state, tile_bits)
 
     @staticmethod
     def backward(ctx, do, _stats_grad):
         if do is None:  # O's cotangent is absent (zero)
-            return (None,) * 10
+            return (None,) * 12
         q, k, v, o, stats, *masks = ctx.saved_tensors
         dq, dk, dv, _delta = apply(
             AttentionBackward, q, k, v, do, o, stats, *masks, ctx.causal, ctx.window, ctx.scale, ctx.backend
         )
-        return dq, dk, dv, *(None,) * 7
+        return dq, dk, dv, *(None,) * 9
 
     @staticmethod
     def jvp(ctx, q_dot, k_dot, v_dot, *_):
@@ -211,17 +213,17 @@ class AttentionBackward(torch.autograd.Function):
 
     @staticmethod
     @_legacy_vmap_support
-    def forward(q, k, v, do, o, stats, key_mask, q_ids, k_ids, causal: bool, window, scale: float, backend):
-        return backend.backward(q, k, v, o, stats, do, scale=scale, **_masks(key_mask, q_ids, k_ids, causal, window))
+    def forward(q, k, v, do, o, stats, key_mask, q_ids, k_ids, tile_state, tile_bits, causal: bool, window, scale: float, backend):
+        return backend.backward(q, k, v, o, stats, do, scale=scale, **_masks(key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, do, o, stats, key_mask, q_ids, k_ids, ctx.causal, ctx.window, ctx.scale, ctx.backend = inputs
+        q, k, v, do, o, stats, key_mask, q_ids, k_ids, tile_state, tile_bits, ctx.causal, ctx.window, ctx.scale, ctx.backend = inputs
         delta = output[3]
         ctx.mark_non_differentiable(delta)
         ctx.set_materialize_grads(False)  # absent cotangents and tangents stay None: the backends skip them
-        ctx.save_for_backward(q, k, v, do, o, stats, delta, key_mask, q_ids, k_ids)
-        ctx.save_for_forward(q, k, v, do, o, stats, delta, key_mask, q_ids, k_ids)
+        ctx.save_for_backward(q, k, v, do, o, stats, delta, key_mask, q_ids, k_ids, tile_state, tile_bits)
+        ctx.save_for_forward(q, k, v, do, o, stats, delta, key_mask, q_ids, k_ids, tile_state, tile_bits)
 
     @staticmethod
     def backward(ctx, dq_bar, dk_bar, dv_bar, _delta_grad):
@@ -230,7 +232,7 @@ class AttentionBackward(torch.autograd.Function):
             BackwardOverBackward, q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, *masks, ctx.causal,
             ctx.window, ctx.scale, ctx.backend,
         )
-        return q_bar, k_bar, v_bar, do_bar, *(None,) * 9
+        return q_bar, k_bar, v_bar, do_bar, *(None,) * 11
 
     @staticmethod
     def jvp(ctx, q_dot, k_dot, v_dot, do_dot, o_dot, stats_dot, *_):
@@ -276,10 +278,10 @@ class BackwardOverBackward(_Terminal):
 
     @staticmethod
     @_legacy_vmap_support
-    def forward(q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, key_mask, q_ids, k_ids, causal, window, scale,
+    def forward(q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window, scale,
                 backend):
         return backend.bob(q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, scale=scale,
-                           **_masks(key_mask, q_ids, k_ids, causal, window))
+                           **_masks(key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window))
 
 
 class AttentionTangent(_Terminal):
@@ -290,12 +292,12 @@ class AttentionTangent(_Terminal):
 
     @staticmethod
     @_legacy_vmap_support
-    def forward(q, k, v, o, stats, q_dot, k_dot, v_dot, key_mask, q_ids, k_ids, causal, window, scale, backend):
+    def forward(q, k, v, o, stats, q_dot, k_dot, v_dot, key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window, scale, backend):
         return kept.through(
-            "forward_jvp", (q, k, v, o, stats, q_dot, k_dot, v_dot, key_mask, q_ids, k_ids, causal, window, scale,
+            "forward_jvp", (q, k, v, o, stats, q_dot, k_dot, v_dot, key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window, scale,
                             backend),
             lambda: backend.forward_jvp(q, k, v, o, stats, q_dot, k_dot, v_dot, scale=scale,
-                                        **_masks(key_mask, q_ids, k_ids, causal, window)),
+                                        **_masks(key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window)),
         )
 
 
@@ -310,5 +312,5 @@ class AttentionBackwardTangent(_Terminal):
                 causal, window, scale, backend):
         return backend.backward_jvp(
             q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, o_dot=o_dot, stats_dot=stats_dot, scale=scale,
-            **_masks(key_mask, q_ids, k_ids, causal, window),
+            **_masks(key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window),
         )

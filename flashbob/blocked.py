@@ -26,9 +26,9 @@ in float32, where ``lse`` is rounded by ~1e-3) an unnormalised ``P`` makes ``row
 and a component shared by all keys then leaks into ``dQ`` and BoB's outputs. Row sweeps see whole
 rows and compute ``σ`` themselves; column sweeps read the ``σ`` their row sweep stored.
 
-The masks (``causal``, ``window``, document ids ``q_ids``/``k_ids``, the key-padding mask ``key_mask``; see
-:mod:`flashbob.masks`) set the scores of hidden entries to ``-inf``, and a panel spans only the keys (or queries)
-that some row (or column) of it may see. A row that sees no key gets ``lse = +inf`` (so that every later
+The masks (``causal``, ``window``, document ids ``q_ids``/``k_ids``, the key-padding mask ``key_mask``, a block
+mask's ``tile_state``/``tile_bits``; see :mod:`flashbob.masks`) set the scores of hidden entries to ``-inf``, and
+a panel spans only the keys (or queries) that some row (or column) of it may see. A row that sees no key gets ``lse = +inf`` (so that every later
 ``P = exp(S - lse)`` is 0) and ``σ = 1``: its output and all its gradients are exactly zero.
 """
 
@@ -91,8 +91,9 @@ def _scores(q, k, rows: slice, cols: slice, scale: float, mask: Mask) -> torch.T
     """Scaled scores ``τ Q[rows] K[cols]ᵀ`` of one panel, ``-inf`` where the mask hides a key."""
     s = scale * q[..., rows, :] @ k[..., cols, :].transpose(-1, -2)
     keep = mask.visible(rows, cols, s.device)
-    if keep is not None:
-        s = s.masked_fill(~keep[:, None, None], float("-inf"))
+    if keep is not None:  # (batch, heads or 1, rows, cols) -> the grouped layout of s
+        keep = keep[:, :, None] if keep.shape[1] == 1 else rearrange(keep, "b (h g) ... -> b h g ...", h=s.shape[1])
+        s = s.masked_fill(~keep, float("-inf"))
     return s
 
 
@@ -106,11 +107,11 @@ def _probabilities(s: torch.Tensor, lse: torch.Tensor, sigma: torch.Tensor | Non
     return p / sigma[..., None], sigma
 
 
-def _mask(q, k, causal: bool, window, key_mask, q_ids, k_ids) -> Mask:
+def _mask(q, k, causal: bool, window, key_mask, q_ids, k_ids, tile_state, tile_bits) -> Mask:
     """The pass's masks (:class:`flashbob.masks.Mask`), on ``q``'s device."""
     if key_mask is not None:
         key_mask = key_mask.to(device=q.device, dtype=torch.bool)
-    return Mask(q.shape[2], k.shape[2], band(causal, window), key_mask, q_ids, k_ids)
+    return Mask(q.shape[2], k.shape[2], band(causal, window), key_mask, q_ids, k_ids, tile_state, tile_bits)
 
 
 def _panels(length: int, size: int):
@@ -120,11 +121,11 @@ def _panels(length: int, size: int):
 
 @_without_autocast
 def forward(q, k, v, *, causal: bool, scale: float, block: int | None = None, key_mask=None, window=None, q_ids=None,
-            k_ids=None):
+            k_ids=None, tile_state=None, tile_bits=None):
     """Attention output ``O = softmax(S) V`` and ``lse = logsumexp_row(S)``, one row panel at a time
     (``lse = +inf`` and ``O = 0`` for rows that see no key)."""
     dtype = accumulator_dtype(q.dtype)
-    mask = _mask(q, k, causal, window, key_mask, q_ids, k_ids)
+    mask = _mask(q, k, causal, window, key_mask, q_ids, k_ids, tile_state, tile_bits)
     kv_heads, n, m = k.shape[1], q.shape[2], k.shape[2]
     qg, kg, vg = _grouped(q, kv_heads, dtype), _kv(k, dtype), _kv(v, dtype)
     o = torch.empty_like(qg)
@@ -142,10 +143,10 @@ def forward(q, k, v, *, causal: bool, scale: float, block: int | None = None, ke
 
 @_without_autocast
 def backward(q, k, v, o, lse, do, *, causal: bool, scale: float, block: int | None = None, key_mask=None, window=None,
-             q_ids=None, k_ids=None):
+             q_ids=None, k_ids=None, tile_state=None, tile_bits=None):
     """First backward ``(dQ, dK, dV, Δ)``: ``dV = Pᵀ dO``, ``dQ = τ dS K``, ``dK = τ dSᵀ Q``."""
     dtype = accumulator_dtype(q.dtype)
-    mask = _mask(q, k, causal, window, key_mask, q_ids, k_ids)
+    mask = _mask(q, k, causal, window, key_mask, q_ids, k_ids, tile_state, tile_bits)
     kv_heads, n, m = k.shape[1], q.shape[2], k.shape[2]
     qg, kg, vg = _grouped(q, kv_heads, dtype), _kv(k, dtype), _kv(v, dtype)
     dog, og = _grouped(do, kv_heads, dtype), _grouped(o, kv_heads, dtype)
@@ -219,7 +220,7 @@ def _bob_panel(t: dict, rows: slice, cols: slice, scale: float):
 @_without_autocast
 def bob(
     q, k, v, do, o, lse, delta, dq_bar, dk_bar, dv_bar, *, causal: bool, scale: float, block: int | None = None,
-    key_mask=None, window=None, q_ids=None, k_ids=None,
+    key_mask=None, window=None, q_ids=None, k_ids=None, tile_state=None, tile_bits=None,
 ):
     """Backward-over-backward: the cotangents ``(Q̄, K̄, V̄, dŌ)`` of ``(Q, K, V, dO)``.
 
@@ -240,7 +241,7 @@ def bob(
         "lse": _grouped(lse, kv_heads, dtype), "delta": _grouped(delta, kv_heads, dtype),
         "u_bar": _grouped(dq_bar, kv_heads, dtype),
         "k": _kv(k, dtype), "v": _kv(v, dtype), "w_bar": _kv(dk_bar, dtype), "z_bar": _kv(dv_bar, dtype),
-        "mask": _mask(q, k, causal, window, key_mask, q_ids, k_ids),
+        "mask": _mask(q, k, causal, window, key_mask, q_ids, k_ids, tile_state, tile_bits),
     }
     mask = t["mask"]
     og = _grouped(o, kv_heads, dtype)
@@ -328,7 +329,7 @@ def _output_tangent(t: dict, p, p_dot, cols: slice):
 @_without_autocast
 def forward_jvp(
     q, k, v, o, lse, q_dot, k_dot, v_dot, *, causal: bool, scale: float, block: int | None = None, key_mask=None,
-    window=None, q_ids=None, k_ids=None,
+    window=None, q_ids=None, k_ids=None, tile_state=None, tile_bits=None,
 ):
     """Tangent ``Ȯ`` of the attention output for tangents ``Q̇, K̇, V̇`` of ``Q, K, V`` (each possibly None = zero).
 
@@ -344,7 +345,7 @@ def forward_jvp(
     """
     if q_dot is None and k_dot is None and v_dot is None:
         return torch.zeros_like(q), torch.zeros_like(lse)
-    mask = _mask(q, k, causal, window, key_mask, q_ids, k_ids)
+    mask = _mask(q, k, causal, window, key_mask, q_ids, k_ids, tile_state, tile_bits)
     t = _tangent_inputs(q, k, v, lse, q_dot, k_dot, v_dot, mask)
     n, m = q.shape[2], k.shape[2]
     o_dot = torch.zeros_like(t["q"])
@@ -379,7 +380,7 @@ def _row_dots(do, o_dot, do_dot, o):
 def backward_jvp(
     q, k, v, do, o, lse, delta, q_dot, k_dot, v_dot, do_dot, *, causal: bool, scale: float,
     block: int | None = None, key_mask=None, o_dot=None, stats_dot=None, window=None, q_ids=None,
-    k_ids=None,
+    k_ids=None, tile_state=None, tile_bits=None,
 ):
     """Tangents ``(dQ̇, dK̇, dV̇)`` of the first backward ``(Q, K, V, dO) -> (dQ, dK, dV)`` (forward-over-reverse).
 
@@ -406,7 +407,7 @@ def backward_jvp(
     if q_dot is None and k_dot is None and v_dot is None and do_dot is None and o_dot is None:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dtype, kv_heads, n, m = accumulator_dtype(q.dtype), k.shape[1], q.shape[2], k.shape[2]
-    mask = _mask(q, k, causal, window, key_mask, q_ids, k_ids)
+    mask = _mask(q, k, causal, window, key_mask, q_ids, k_ids, tile_state, tile_bits)
     t = _tangent_inputs(q, k, v, lse, q_dot, k_dot, v_dot, mask)
     t.update(
         do=_grouped(do, kv_heads, dtype), do_dot=_grouped(do_dot, kv_heads, dtype),

@@ -39,9 +39,7 @@ through :func:`torch.nn.functional.multi_head_attention_forward`) gain exact dou
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
 import warnings
 
 import torch
@@ -49,7 +47,8 @@ import torch.nn.functional as F
 
 from flashbob import reference
 from flashbob.attention import attention
-from flashbob.inputs import accumulator_dtype, check_backend, check_sdpa_arguments
+from flashbob.inputs import accumulator_dtype, check_sdpa_arguments
+from flashbob.patching import Patch, Route
 
 __all__ = ["sdpa", "patch_sdpa", "set_strict", "is_strict", "FallbackWarning", "FallbackError"]
 
@@ -278,34 +277,17 @@ def sdpa(
     return out
 
 
-class _Patch:
-    """The process-wide state of :class:`patch_sdpa`: the function it replaced, how many patches are open in
-    all threads, and each thread's open patches (innermost last)."""
-
-    lock = threading.Lock()
-    original = None
-    open_count = 0
-    local = threading.local()
-
-    @classmethod
-    def stack(cls) -> list:
-        """This thread's open patches, innermost last."""
-        if not hasattr(cls.local, "stack"):
-            cls.local.stack = []
-        return cls.local.stack
-
-
 def _patched_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """What ``F.scaled_dot_product_attention`` is while a :class:`patch_sdpa` is open in any thread: :func:`sdpa`
     with the backend of this thread's innermost patch, or the replaced function in a thread without one."""
-    stack = _Patch.stack()
-    if not stack:
-        return _Patch.original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                               scale=scale, enable_gqa=enable_gqa)  # fmt: skip
-    return sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend=stack[-1].backend)
+    return _SDPA_ROUTE.call(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
 
 
-class patch_sdpa(contextlib.ContextDecorator):
+_SDPA_ROUTE = Route(F, "scaled_dot_product_attention", lambda *args, **kwargs: sdpa(*args, **kwargs), _patched_sdpa)
+
+
+class patch_sdpa(Patch):
     """Route ``torch.nn.functional.scaled_dot_product_attention`` through :func:`sdpa`.
 
     A context manager and a decorator; the patch holds in the thread that opened it, until it closes
@@ -319,29 +301,4 @@ class patch_sdpa(contextlib.ContextDecorator):
             grads = torch.autograd.grad(loss, params, create_graph=True)
     """
 
-    def __init__(self, backend: str = "auto"):
-        check_backend(backend)
-        self.backend = backend
-
-    def __enter__(self):
-        with _Patch.lock:
-            if _Patch.open_count == 0:
-                _Patch.original = F.scaled_dot_product_attention
-                F.scaled_dot_product_attention = _patched_sdpa
-            _Patch.open_count += 1
-        _Patch.stack().append(self)
-        return self
-
-    def __exit__(self, *exc):
-        stack = _Patch.stack()
-        if self not in stack:
-            raise RuntimeError("patch_sdpa: this patch is not open in this thread "
-                               "(closed twice, or never entered here)")
-        del stack[len(stack) - 1 - stack[::-1].index(self)]  # this patch's innermost entry, wherever it is
-        with _Patch.lock:
-            _Patch.open_count -= 1
-            if _Patch.open_count == 0:
-                if F.scaled_dot_product_attention is _patched_sdpa:  # unless someone replaced it meanwhile
-                    F.scaled_dot_product_attention = _Patch.original
-                # _Patch.original stays: a thread that looked the patch up just before may still call through it
-        return False
+    route = _SDPA_ROUTE

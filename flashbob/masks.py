@@ -6,7 +6,10 @@ Query :math:`i` sees key :math:`j` where every mask given allows it (the masks c
 * ``window = (left, right)``: :math:`i - \text{left} \le j \le i + \text{right}`, a bound of None being unbounded;
   ``causal`` is the window ``(None, 0)``, and the two combine into one *band* ``(left, right)``;
 * ``document_ids``: :math:`\text{id}^q_i = \text{id}^k_j` (packed sequences);
-* ``key_mask``: key :math:`j` is kept.
+* ``key_mask``: key :math:`j` is kept;
+* ``block_mask``: a FlexAttention ``BlockMask`` (mask_mod only) allows :math:`(i, j)`. It is held as its tiles
+  (:func:`block_tiles`): the state of each (query block, key block) tile, empty, whole or partial, and the
+  element-wise mask of the partial tiles only, so that its memory follows the partial tiles, not ``N x M``.
 
 Masks enter the attention formulas only through :math:`P`: a hidden entry has :math:`S_{ij} = -\infty`, so
 :math:`P_{ij} = 0`, and every row scalar and BoB term sums over visible entries only. The passes skip the blocks
@@ -17,11 +20,18 @@ by element only where a block is partly visible; :class:`Mask` does this for the
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 Band = tuple[int | None, int | None]
+
+#: ``tile_state`` entries: a tile no query of sees any key of, a tile seen whole; a partial tile holds its index
+#: into ``tile_bits`` (>= 0).
+EMPTY, WHOLE = -1, -2
+#: Tiles whose mask_mod is evaluated at once (bounds the temporaries of the evaluation).
+TILES_PER_EVALUATION = 256
 
 
 def check_window(window) -> Band | None:
@@ -119,6 +129,72 @@ def document_ranges(own_ids: torch.Tensor, other_ids: torch.Tensor) -> torch.Ten
     return torch.stack((lo, hi, lo, torch.where(whole, hi, lo)), dim=1).to(torch.int32).contiguous()
 
 
+def block_tiles(block_mask, q: torch.Tensor, k: torch.Tensor):
+    """Validate a FlexAttention ``BlockMask`` for ``q``, ``k`` and return its tiles ``(tile_state, tile_bits)``, or
+    ``(None, None)``.
+
+    ``tile_state`` is int32 ``(B, H or 1, ceil(N / rows), ceil(M / cols))`` for the block mask's tile size
+    ``(rows, cols)``: :data:`EMPTY`, :data:`WHOLE`, or the index of a partial tile in ``tile_bits``, bool
+    ``(partial tiles, rows, cols)``, its mask_mod evaluated there (False past N and M). The tiles the block mask
+    lists as full are whole, the others it lists partial (all of them when it keeps no full blocks apart). The
+    result is kept per block mask and device, as a block mask is made once and used by many calls."""
+    if block_mask is None:
+        return None, None
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError("block_mask must be a torch.nn.attention.flex_attention.BlockMask (create_block_mask), "
+                        f"got {type(block_mask).__name__}")
+    batch, heads, n, m = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    q_len, kv_len = (int(x) for x in block_mask.seq_lengths)
+    if (q_len, kv_len) != (n, m):
+        raise ValueError(f"block_mask was built for Q_LEN = {q_len}, KV_LEN = {kv_len} but the inputs have N = {n} "
+                         f"queries and M = {m} keys; build it with create_block_mask(..., Q_LEN={n}, KV_LEN={m})")
+    mask_batch, mask_heads = block_mask.kv_num_blocks.shape[:2]
+    if mask_batch not in (1, batch) or mask_heads not in (1, heads):
+        raise ValueError(f"block_mask has batch {mask_batch} and {mask_heads} heads; the inputs have batch {batch} "
+                         f"and {heads} heads (a block mask's batch and heads must be 1 or the inputs')")
+    key = (id(block_mask), q.device)
+    if key not in _TILES:
+        _TILES[key] = _tiles(block_mask, n, m, q.device)
+        weakref.finalize(block_mask, _TILES.pop, key, None)
+    tile_state, tile_bits = _TILES[key]
+    return tile_state.expand(batch, *tile_state.shape[1:]), tile_bits
+
+
+_TILES: dict = {}
+
+
+def _tiles(block_mask, n: int, m: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = (int(x) for x in block_mask.BLOCK_SIZE)
+    q_blocks, k_blocks = -(-n // rows), -(-m // cols)
+    mask_batch, mask_heads = block_mask.kv_num_blocks.shape[:2]
+    state = torch.full((mask_batch, mask_heads, q_blocks, k_blocks), EMPTY, dtype=torch.int32, device=device)
+
+    def listed(counts, indices):
+        counts, indices = counts[..., :q_blocks].to(device), indices[..., :q_blocks, :].to(device)
+        valid = torch.arange(indices.shape[-1], device=device) < counts[..., None]
+        b, h, query_block, slot = valid.nonzero(as_tuple=True)
+        return b, h, query_block, indices[b, h, query_block, slot].long()
+
+    if block_mask.full_kv_num_blocks is not None:
+        b, h, query_block, key_block = listed(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+        state[b, h, query_block, key_block] = WHOLE
+    b, h, query_block, key_block = listed(block_mask.kv_num_blocks, block_mask.kv_indices)
+    state[b, h, query_block, key_block] = torch.arange(len(b), dtype=torch.int32, device=device)
+    bits = torch.zeros(len(b), rows, cols, dtype=torch.bool, device=device)
+    evaluate = torch.vmap(torch.vmap(torch.vmap(block_mask.mask_mod, in_dims=(None, None, None, 0)),
+                                     in_dims=(None, None, 0, None)), in_dims=(0, 0, 0, 0))
+    for start in range(0, len(b), TILES_PER_EVALUATION):
+        part = slice(start, start + TILES_PER_EVALUATION)
+        query = query_block[part, None] * rows + torch.arange(rows, device=device)
+        key = key_block[part, None] * cols + torch.arange(cols, device=device)
+        inside = (query < n)[:, :, None] & (key < m)[:, None, :]
+        allowed = evaluate(b[part], h[part], query.clamp(max=n - 1), key.clamp(max=m - 1))
+        bits[part] = allowed.to(torch.bool) & inside
+    return state, bits
+
+
 @dataclass(frozen=True)
 class Mask:
     """The masks of one attention call over ``n`` queries and ``m`` keys, as the blocked backend evaluates them on
@@ -131,26 +207,27 @@ class Mask:
     key_mask: torch.Tensor | None = None
     q_ids: torch.Tensor | None = None
     k_ids: torch.Tensor | None = None
-
-    @property
-    def empty(self) -> bool:
-        """True when nothing is hidden."""
-        return self.band is None and self.key_mask is None and self.q_ids is None
+    tile_state: torch.Tensor | None = None
+    tile_bits: torch.Tensor | None = None
 
     def visible(self, rows: slice, cols: slice, device: torch.device) -> torch.Tensor | None:
-        """Bool ``(B or 1, len(rows), len(cols))``: True where query ``i`` sees key ``j``; None when all do."""
+        """Bool ``(B or 1, H or 1, len(rows), len(cols))``: True where query ``i`` sees key ``j`` (in head ``h``,
+        for a block mask per head); None when all do."""
         keep = None
+        i = torch.arange(rows.start, rows.stop, device=device)
+        j = torch.arange(cols.start, cols.stop, device=device)
         if self.band is not None:
-            i = torch.arange(rows.start, rows.stop, device=device)
             lo, hi = band_bounds(i, self.m, self.band)
-            j = torch.arange(cols.start, cols.stop, device=device)
-            keep = ((j[None, :] >= lo[:, None]) & (j[None, :] < hi[:, None]))[None]
+            keep = ((j[None, :] >= lo[:, None]) & (j[None, :] < hi[:, None]))[None, None]
         if self.q_ids is not None:
-            same = self.q_ids[:, rows, None] == self.k_ids[:, None, cols]
-            keep = same if keep is None else keep & same
+            keep = _and(keep, (self.q_ids[:, rows, None] == self.k_ids[:, None, cols])[:, None])
         if self.key_mask is not None:
-            kept = self.key_mask[:, None, cols]
-            keep = kept if keep is None else keep & kept
+            keep = _and(keep, self.key_mask[:, None, None, cols])
+        if self.tile_state is not None:
+            tile_rows, tile_cols = self.tile_bits.shape[1:]
+            state = self.tile_state[:, :, i // tile_rows][:, :, :, j // tile_cols]
+            bits = self.tile_bits[state.clamp(min=0), (i % tile_rows)[:, None], (j % tile_cols)[None, :]]
+            keep = _and(keep, (state == WHOLE) | ((state >= 0) & bits))
         return keep
 
     def keys_seen_by(self, rows: slice) -> slice:
@@ -164,6 +241,18 @@ class Mask:
         return slice(lo, max(lo, hi))
 
     def _bounds(self, span: slice, other_length: int, *, transposed: bool) -> tuple[int, int]:
+        lo, hi = self._band_and_document_bounds(span, other_length, transposed=transposed)
+        if self.tile_state is not None and hi > lo:
+            tile_rows, tile_cols = self.tile_bits.shape[1:]
+            own, other = (tile_cols, tile_rows) if transposed else (tile_rows, tile_cols)
+            state = self.tile_state.transpose(2, 3) if transposed else self.tile_state
+            seen = (state[:, :, span.start // own:-(-span.stop // own)] != EMPTY).any(dim=(0, 1, 2)).nonzero()
+            if len(seen) == 0:
+                return 0, 0
+            lo, hi = max(lo, int(seen[0]) * other), min(hi, (int(seen[-1]) + 1) * other)
+        return lo, hi
+
+    def _band_and_document_bounds(self, span: slice, other_length: int, *, transposed: bool) -> tuple[int, int]:
         if self.band is None and self.q_ids is None:
             return 0, other_length
         device = (self.q_ids if self.q_ids is not None else torch.empty(0)).device
@@ -179,15 +268,24 @@ class Mask:
         return int(lo[seen].min()), int(hi[seen].max())
 
 
+def _and(keep: torch.Tensor | None, more: torch.Tensor) -> torch.Tensor:
+    return more if keep is None else keep & more
+
+
 def dense(n: int, m: int, *, causal: bool = False, window: Band | None = None, key_mask=None, document_ids=None,
-          device=None) -> torch.Tensor:
-    """The materialised ``(B or 1, 1, N, M)`` bool mask of these masks (True = visible), to compare with or to
-    pass to a materialising attention as ``attn_mask``. ``document_ids``: a ``(B, N)`` tensor or a pair."""
+          block_mask=None, device=None) -> torch.Tensor:
+    """The materialised ``(B or 1, H or 1, N, M)`` bool mask of these masks (True = visible), to compare with or
+    to pass to a materialising attention as ``attn_mask``. ``document_ids``: a ``(B, N)`` tensor or a pair;
+    ``block_mask``: a FlexAttention ``BlockMask`` (evaluated by its own ``to_dense`` rules: its tiles and
+    mask_mod)."""
     if isinstance(document_ids, torch.Tensor):
         document_ids = (document_ids, document_ids)
     q_ids, k_ids = document_ids if document_ids is not None else (None, None)
-    mask = Mask(n, m, band(causal, check_window(window)), key_mask, q_ids, k_ids)
+    tile_state = tile_bits = None
+    if block_mask is not None:
+        tile_state, tile_bits = _tiles(block_mask, n, m, device)
+    mask = Mask(n, m, band(causal, check_window(window)), key_mask, q_ids, k_ids, tile_state, tile_bits)
     keep = mask.visible(slice(0, n), slice(0, m), device)
     if keep is None:
         return torch.ones(1, 1, n, m, dtype=torch.bool, device=device)
-    return keep[:, None].expand(-1, 1, n, m)
+    return keep

@@ -5,7 +5,8 @@ The passes are ``forward``, ``backward``, ``bob`` (backward-over-backward), ``fo
 each operator takes its pass's arguments in the order of the backends' functions, keyword arguments included:
 tensors, optional tensors (``None``: an absent, zero cotangent or tangent; for ``backward_jvp``, no forward tangents
 ``o_dot``, ``stats_dot``), then the masks (:mod:`flashbob.masks`: ``key_mask``, the document ids ``q_ids``,
-``k_ids``, ``causal``, the window as ``window_left``, ``window_right``), ``scale`` and, for the kernels,
+``k_ids``, a block mask's ``tile_state`` and ``tile_bits``, ``causal``, the window as ``window_left``,
+``window_right``), ``scale`` and, for the kernels,
 ``allow_tf32``. :func:`with_window` calls them with ``window=(left, right)`` as the backends' functions take it.
 
 * The blocked backend's passes are opaque custom operators (:func:`torch.library.custom_op`) with contiguous
@@ -49,11 +50,13 @@ def _contiguous(outputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     return tuple(x.contiguous() for x in outputs)
 
 
-def _masks(key_mask: Optional[Tensor], q_ids: Optional[Tensor], k_ids: Optional[Tensor], causal: bool,
-           window_left: Optional[int], window_right: Optional[int]) -> dict:
+def _masks(key_mask: Optional[Tensor], q_ids: Optional[Tensor], k_ids: Optional[Tensor],
+           tile_state: Optional[Tensor], tile_bits: Optional[Tensor], causal: bool, window_left: Optional[int],
+           window_right: Optional[int]) -> dict:
     """The masks as a backend's pass takes them (:mod:`flashbob.masks`)."""
     window = None if window_left is None and window_right is None else (window_left, window_right)
-    return dict(key_mask=key_mask, q_ids=q_ids, k_ids=k_ids, causal=causal, window=window)
+    return dict(key_mask=key_mask, q_ids=q_ids, k_ids=k_ids, tile_state=tile_state, tile_bits=tile_bits,
+                causal=causal, window=window)
 
 
 def with_window(operator):
@@ -68,12 +71,12 @@ def with_window(operator):
 
 
 def _differentiable_once(forward, backward) -> None:
-    """Register the gradient of a forward operator ``(q, k, v, key_mask, q_ids, k_ids, *options) -> (o, stats)``:
+    """Register the gradient of a forward operator ``(q, k, v, *masks, *options) -> (o, stats)`` (five mask tensors):
     its ``backward`` operator's ``(dq, dk, dv)`` for the cotangent of ``o`` (``stats`` is not differentiable)."""
 
     def setup_context(ctx, inputs, output):
-        q, k, v, *masks = inputs[:6]
-        ctx.options = inputs[6:]
+        q, k, v, *masks = inputs[:8]
+        ctx.options = inputs[8:]
         o, stats = output
         ctx.mark_non_differentiable(stats)
         ctx.save_for_backward(q, k, v, o, stats, *masks)
@@ -81,22 +84,23 @@ def _differentiable_once(forward, backward) -> None:
     def gradient(ctx, do, _stats_grad):
         q, k, v, o, stats, *masks = ctx.saved_tensors
         dq, dk, dv, _delta = backward(q, k, v, o, stats, do, *masks, *ctx.options)
-        return dq, dk, dv, None, None, None, *(None for _ in ctx.options)
+        return dq, dk, dv, *(None for _ in masks), *(None for _ in ctx.options)
 
     forward.register_autograd(gradient, setup_context=setup_context)
 
 
 # ----------------------------------------------------------------------------- blocked backend
-# Every operator's last arguments are the masks and options: key_mask, q_ids, k_ids, causal, window_left,
-# window_right, scale (and allow_tf32 for the kernels); the fake implementations take them as ``*_``.
+# Every operator's last arguments are the masks and options: key_mask, q_ids, k_ids, tile_state, tile_bits, causal,
+# window_left, window_right, scale (and allow_tf32 for the kernels); the fake implementations take them as ``*_``.
 
 @torch.library.custom_op("flashbob::blocked_forward", mutates_args=())
 def blocked_forward(
     q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], q_ids: Optional[Tensor], k_ids: Optional[Tensor],
-    causal: bool, window_left: Optional[int], window_right: Optional[int], scale: float,
+    tile_state: Optional[Tensor], tile_bits: Optional[Tensor], causal: bool, window_left: Optional[int],
+    window_right: Optional[int], scale: float,
 ) -> tuple[Tensor, Tensor]:
     """:func:`flashbob.blocked.forward`: ``(o, lse)``."""
-    masks = _masks(key_mask, q_ids, k_ids, causal, window_left, window_right)
+    masks = _masks(key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window_left, window_right)
     return _contiguous(blocked.forward(q, k, v, scale=scale, **masks))
 
 
@@ -108,11 +112,11 @@ def _(q, k, v, *_):
 @torch.library.custom_op("flashbob::blocked_backward", mutates_args=())
 def blocked_backward(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, stats: Tensor, do: Tensor, key_mask: Optional[Tensor],
-    q_ids: Optional[Tensor], k_ids: Optional[Tensor], causal: bool, window_left: Optional[int],
-    window_right: Optional[int], scale: float,
+    q_ids: Optional[Tensor], k_ids: Optional[Tensor], tile_state: Optional[Tensor], tile_bits: Optional[Tensor],
+    causal: bool, window_left: Optional[int], window_right: Optional[int], scale: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`flashbob.blocked.backward`: ``(dq, dk, dv, delta)``."""
-    masks = _masks(key_mask, q_ids, k_ids, causal, window_left, window_right)
+    masks = _masks(key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window_left, window_right)
     return _contiguous(blocked.backward(q, k, v, o, stats, do, scale=scale, **masks))
 
 
@@ -125,10 +129,11 @@ def _(q, k, v, *_):
 def blocked_bob(
     q: Tensor, k: Tensor, v: Tensor, do: Tensor, o: Tensor, stats: Tensor, delta: Tensor, dq_bar: Optional[Tensor],
     dk_bar: Optional[Tensor], dv_bar: Optional[Tensor], key_mask: Optional[Tensor], q_ids: Optional[Tensor],
-    k_ids: Optional[Tensor], causal: bool, window_left: Optional[int], window_right: Optional[int], scale: float,
+    k_ids: Optional[Tensor], tile_state: Optional[Tensor], tile_bits: Optional[Tensor], causal: bool,
+    window_left: Optional[int], window_right: Optional[int], scale: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`flashbob.blocked.bob`: ``(q_bar, k_bar, v_bar, do_bar)``."""
-    masks = _masks(key_mask, q_ids, k_ids, causal, window_left, window_right)
+    masks = _masks(key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window_left, window_right)
     return _contiguous(blocked.bob(q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, scale=scale, **masks))
 
 
@@ -141,10 +146,11 @@ def _(q, k, v, do, *_):
 def blocked_forward_jvp(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, stats: Tensor, q_dot: Optional[Tensor], k_dot: Optional[Tensor],
     v_dot: Optional[Tensor], key_mask: Optional[Tensor], q_ids: Optional[Tensor], k_ids: Optional[Tensor],
-    causal: bool, window_left: Optional[int], window_right: Optional[int], scale: float,
+    tile_state: Optional[Tensor], tile_bits: Optional[Tensor], causal: bool, window_left: Optional[int],
+    window_right: Optional[int], scale: float,
 ) -> tuple[Tensor, Tensor]:
     """:func:`flashbob.blocked.forward_jvp`: ``(o_dot, stats_dot)``."""
-    masks = _masks(key_mask, q_ids, k_ids, causal, window_left, window_right)
+    masks = _masks(key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window_left, window_right)
     return _contiguous(blocked.forward_jvp(q, k, v, o, stats, q_dot, k_dot, v_dot, scale=scale, **masks))
 
 
@@ -158,10 +164,11 @@ def blocked_backward_jvp(
     q: Tensor, k: Tensor, v: Tensor, do: Tensor, o: Tensor, stats: Tensor, delta: Tensor, q_dot: Optional[Tensor],
     k_dot: Optional[Tensor], v_dot: Optional[Tensor], do_dot: Optional[Tensor], o_dot: Optional[Tensor],
     stats_dot: Optional[Tensor], key_mask: Optional[Tensor], q_ids: Optional[Tensor], k_ids: Optional[Tensor],
-    causal: bool, window_left: Optional[int], window_right: Optional[int], scale: float,
+    tile_state: Optional[Tensor], tile_bits: Optional[Tensor], causal: bool, window_left: Optional[int],
+    window_right: Optional[int], scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`flashbob.blocked.backward_jvp`: ``(dq_dot, dk_dot, dv_dot)``."""
-    masks = _masks(key_mask, q_ids, k_ids, causal, window_left, window_right)
+    masks = _masks(key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window_left, window_right)
     return _contiguous(blocked.backward_jvp(q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, o_dot=o_dot,
                                             stats_dot=stats_dot, scale=scale, **masks))
 
@@ -189,46 +196,48 @@ def _kernel_operators() -> dict:
 
     def forward(
         q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], q_ids: Optional[Tensor], k_ids: Optional[Tensor],
-        causal: bool, window_left: Optional[int], window_right: Optional[int], scale: float, allow_tf32: bool,
+        tile_state: Optional[Tensor], tile_bits: Optional[Tensor], causal: bool, window_left: Optional[int],
+        window_right: Optional[int], scale: float, allow_tf32: bool,
     ) -> tuple[Tensor, Tensor]:
-        masks = _masks(key_mask, q_ids, k_ids, causal, window_left, window_right)
+        masks = _masks(key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window_left, window_right)
         return kernels.forward(q, k, v, scale=scale, allow_tf32=allow_tf32, **masks)
 
     def backward(
         q: Tensor, k: Tensor, v: Tensor, o: Tensor, stats: Tensor, do: Tensor, key_mask: Optional[Tensor],
-        q_ids: Optional[Tensor], k_ids: Optional[Tensor], causal: bool, window_left: Optional[int],
-        window_right: Optional[int], scale: float, allow_tf32: bool,
+        q_ids: Optional[Tensor], k_ids: Optional[Tensor], tile_state: Optional[Tensor], tile_bits: Optional[Tensor],
+        causal: bool, window_left: Optional[int], window_right: Optional[int], scale: float, allow_tf32: bool,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        masks = _masks(key_mask, q_ids, k_ids, causal, window_left, window_right)
+        masks = _masks(key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window_left, window_right)
         return kernels.backward(q, k, v, o, stats, do, scale=scale, allow_tf32=allow_tf32, **masks)
 
     def bob(
         q: Tensor, k: Tensor, v: Tensor, do: Tensor, o: Tensor, stats: Tensor, delta: Tensor,
         dq_bar: Optional[Tensor], dk_bar: Optional[Tensor], dv_bar: Optional[Tensor], key_mask: Optional[Tensor],
-        q_ids: Optional[Tensor], k_ids: Optional[Tensor], causal: bool, window_left: Optional[int],
-        window_right: Optional[int], scale: float, allow_tf32: bool,
+        q_ids: Optional[Tensor], k_ids: Optional[Tensor], tile_state: Optional[Tensor], tile_bits: Optional[Tensor],
+        causal: bool, window_left: Optional[int], window_right: Optional[int], scale: float, allow_tf32: bool,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        masks = _masks(key_mask, q_ids, k_ids, causal, window_left, window_right)
+        masks = _masks(key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window_left, window_right)
         return kernels.bob(q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, scale=scale, allow_tf32=allow_tf32,
                            **masks)
 
     def forward_jvp(
         q: Tensor, k: Tensor, v: Tensor, o: Tensor, stats: Tensor, q_dot: Optional[Tensor], k_dot: Optional[Tensor],
         v_dot: Optional[Tensor], key_mask: Optional[Tensor], q_ids: Optional[Tensor], k_ids: Optional[Tensor],
-        causal: bool, window_left: Optional[int], window_right: Optional[int], scale: float, allow_tf32: bool,
+        tile_state: Optional[Tensor], tile_bits: Optional[Tensor], causal: bool, window_left: Optional[int],
+        window_right: Optional[int], scale: float, allow_tf32: bool,
     ) -> tuple[Tensor, Tensor]:
-        masks = _masks(key_mask, q_ids, k_ids, causal, window_left, window_right)
+        masks = _masks(key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window_left, window_right)
         return kernels.forward_jvp(q, k, v, o, stats, q_dot, k_dot, v_dot, scale=scale, allow_tf32=allow_tf32,
                                    **masks)
 
     def backward_jvp(
-        q: Tensor, k: Tensor, v: Tensor, do: Tensor, o: Tensor, stats: Tensor, delta: Tensor,
-        q_dot: Optional[Tensor], k_dot: Optional[Tensor], v_dot: Optional[Tensor], do_dot: Optional[Tensor],
-        o_dot: Optional[Tensor], stats_dot: Optional[Tensor], key_mask: Optional[Tensor], q_ids: Optional[Tensor],
-        k_ids: Optional[Tensor], causal: bool, window_left: Optional[int], window_right: Optional[int], scale: float,
-        allow_tf32: bool,
+        q: Tensor, k: Tensor, v: Tensor, do: Tensor, o: Tensor, stats: Tensor, delta: Tensor, q_dot: Optional[Tensor],
+        k_dot: Optional[Tensor], v_dot: Optional[Tensor], do_dot: Optional[Tensor], o_dot: Optional[Tensor],
+        stats_dot: Optional[Tensor], key_mask: Optional[Tensor], q_ids: Optional[Tensor], k_ids: Optional[Tensor],
+        tile_state: Optional[Tensor], tile_bits: Optional[Tensor], causal: bool, window_left: Optional[int],
+        window_right: Optional[int], scale: float, allow_tf32: bool,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        masks = _masks(key_mask, q_ids, k_ids, causal, window_left, window_right)
+        masks = _masks(key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window_left, window_right)
         return kernels.backward_jvp(q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, o_dot=o_dot,
                                     stats_dot=stats_dot, scale=scale, allow_tf32=allow_tf32, **masks)
 

@@ -148,16 +148,17 @@ def test_the_kernels_are_operators_in_the_graph(gen):
 
 
 def _masks(t: dict, kind: str = "key_mask_causal") -> tuple:
-    """The mask arguments of an operator: ``(key_mask, q_ids, k_ids, causal, window_left, window_right)``."""
+    """The mask arguments of an operator: ``(key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window_left,
+    window_right)``."""
     if kind == "key_mask":
-        return t["key_mask"], None, None, False, None, None
+        return t["key_mask"], None, None, None, None, False, None, None
     if kind == "window_documents":
-        return None, t["q_ids"], t["k_ids"], False, 2, 1
-    return t["key_mask"], None, None, True, None, None
+        return None, t["q_ids"], t["k_ids"], None, None, False, 2, 1
+    return t["key_mask"], None, None, None, None, True, None, None
 
 
 CASES = {
-    "forward": ("forward", lambda t: (t["q"], t["k"], t["v"], None, None, None, True, None, None, 0.5)),
+    "forward": ("forward", lambda t: (t["q"], t["k"], t["v"], None, None, None, None, None, True, None, None, 0.5)),
     "forward_key_mask": ("forward", lambda t: (t["q"], t["k"], t["v"], *_masks(t, "key_mask"), 0.5)),
     "forward_window_documents": ("forward", lambda t: (t["q"], t["k"], t["v"], *_masks(t, "window_documents"),
                                                        0.5)),

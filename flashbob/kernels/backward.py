@@ -209,6 +209,7 @@ def backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, stats: torch.Tensor, do: torch.Tensor,
     *, causal: bool, scale: float, allow_tf32: bool = False, key_mask: torch.Tensor | None = None, window=None,
     q_ids: torch.Tensor | None = None, k_ids: torch.Tensor | None = None,
+    tile_state: torch.Tensor | None = None, tile_bits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""Gradients of attention for the output cotangent ``do``.
 
@@ -227,7 +228,8 @@ def backward(
     """
     common.check_qkv(q, k, v)
     common.check_shaped_like(("o", o, q), ("do", do, q))
-    masks = common.KernelMasks(q, k, causal=causal, window=window, key_mask=key_mask, q_ids=q_ids, k_ids=k_ids)
+    masks = common.KernelMasks(q, k, causal=causal, window=window, key_mask=key_mask, q_ids=q_ids, k_ids=k_ids,
+                               tile_state=tile_state)
     q, k, v, o, do = (common.operand(x, q) for x in (q, k, v, o, do))
     batch, heads, n, head_dim = q.shape
     kv_heads, m = k.shape[1], k.shape[2]

@@ -374,6 +374,7 @@ def bob(
     delta: torch.Tensor, dq_bar: torch.Tensor | None, dk_bar: torch.Tensor | None, dv_bar: torch.Tensor | None,
     *, causal: bool, scale: float, allow_tf32: bool = False, key_mask: torch.Tensor | None = None, window=None,
     q_ids: torch.Tensor | None = None, k_ids: torch.Tensor | None = None,
+    tile_state: torch.Tensor | None = None, tile_bits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""Backward-over-backward: the vector-Jacobian product of :math:`(Q, K, V, dO) \mapsto (dQ, dK, dV)`
     with cotangents :math:`(\bar U, \bar W, \bar Z)` = ``(dq_bar, dk_bar, dv_bar)``.
@@ -404,7 +405,8 @@ def bob(
                              ("dv_bar", dv_bar, v))
     if dq_bar is None and dk_bar is None and dv_bar is None:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(do)
-    masks = common.KernelMasks(q, k, causal=causal, window=window, key_mask=key_mask, q_ids=q_ids, k_ids=k_ids)
+    masks = common.KernelMasks(q, k, causal=causal, window=window, key_mask=key_mask, q_ids=q_ids, k_ids=k_ids,
+                               tile_state=tile_state)
     q, k, v, do = (common.operand(x, q) for x in (q, k, v, do))
     batch, heads, n, head_dim = q.shape
     kv_heads, m = k.shape[1], k.shape[2]

@@ -575,7 +575,11 @@ class KernelMasks:
     made on first use, the queries' for row kernels and the keys' for column kernels. Absent masks are passed as
     a placeholder the kernels never read."""
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, *, causal: bool, window, key_mask, q_ids, k_ids):
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, *, causal: bool, window, key_mask, q_ids, k_ids,
+                 tile_state=None):
+        if tile_state is not None:
+            raise ValueError("the Triton kernels do not take a block_mask: flashbob.attention runs block masks on the "
+                             "blocked backend (backend='auto' or 'blocked')")
         self.key_mask, self.has_key_mask = key_mask_operand(key_mask, q, k)
         placeholder = key_mask_operand(None, q, k)[0]
         n, m = q.shape[2], k.shape[2]

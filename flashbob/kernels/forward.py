@@ -108,6 +108,7 @@ def forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float, allow_tf32: bool = False,
     key_mask: torch.Tensor | None = None, window=None, q_ids: torch.Tensor | None = None,
     k_ids: torch.Tensor | None = None,
+    tile_state: torch.Tensor | None = None, tile_bits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Attention output and the softmax statistics of its rows.
 
@@ -136,7 +137,8 @@ def forward(
         :func:`~flashbob.kernels.common.logsumexp` turns it into the row log-sum-exp.
     """
     common.check_qkv(q, k, v)
-    masks = common.KernelMasks(q, k, causal=causal, window=window, key_mask=key_mask, q_ids=q_ids, k_ids=k_ids)
+    masks = common.KernelMasks(q, k, causal=causal, window=window, key_mask=key_mask, q_ids=q_ids, k_ids=k_ids,
+                               tile_state=tile_state)
     q, k, v = (common.operand(x, q) for x in (q, k, v))
     batch, heads, n, head_dim = q.shape
     kv_heads, m = k.shape[1], k.shape[2]

@@ -503,6 +503,7 @@ def forward_jvp(
     q_dot: torch.Tensor | None, k_dot: torch.Tensor | None, v_dot: torch.Tensor | None,
     *, causal: bool, scale: float, key_mask: torch.Tensor | None = None, allow_tf32: bool = False, window=None,
     q_ids: torch.Tensor | None = None, k_ids: torch.Tensor | None = None,
+    tile_state: torch.Tensor | None = None, tile_bits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Forward mode of attention: the tangents of :math:`O` and of the statistics along :math:`(\dot Q, \dot K, \dot V)`.
 
@@ -528,7 +529,8 @@ def forward_jvp(
     common.check_shaped_like(("o", o, q), ("q_dot", q_dot, q), ("k_dot", k_dot, k), ("v_dot", v_dot, v))
     if q_dot is None and k_dot is None and v_dot is None:
         return torch.zeros_like(q), torch.zeros_like(stats)
-    masks = common.KernelMasks(q, k, causal=causal, window=window, key_mask=key_mask, q_ids=q_ids, k_ids=k_ids)
+    masks = common.KernelMasks(q, k, causal=causal, window=window, key_mask=key_mask, q_ids=q_ids, k_ids=k_ids,
+                               tile_state=tile_state)
     q, k, v, o = (common.operand(x, q) for x in (q, k, v, o))
     stats = common.softmax_stats(stats, q)
     r_dot = torch.empty(q.shape[:3], dtype=stats.dtype, device=q.device)
@@ -552,6 +554,7 @@ def backward_jvp(
     do_dot: torch.Tensor | None, *, causal: bool, scale: float, key_mask: torch.Tensor | None = None,
     allow_tf32: bool = False, o_dot: torch.Tensor | None = None, stats_dot: torch.Tensor | None = None, window=None,
     q_ids: torch.Tensor | None = None, k_ids: torch.Tensor | None = None,
+    tile_state: torch.Tensor | None = None, tile_bits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""Forward mode of the backward: the tangents of :math:`(dQ, dK, dV)` along :math:`(\dot Q, \dot K, \dot V, d\dot O)`.
 
@@ -587,7 +590,8 @@ def backward_jvp(
     check_forward_tangents(o_dot, stats_dot)
     if q_dot is None and k_dot is None and v_dot is None and do_dot is None and o_dot is None:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    masks = common.KernelMasks(q, k, causal=causal, window=window, key_mask=key_mask, q_ids=q_ids, k_ids=k_ids)
+    masks = common.KernelMasks(q, k, causal=causal, window=window, key_mask=key_mask, q_ids=q_ids, k_ids=k_ids,
+                               tile_state=tile_state)
     q, k, v, do, o = (common.operand(x, q) for x in (q, k, v, do, o))
     batch, heads, n, head_dim = q.shape
     kv_heads, m = k.shape[1], k.shape[2]
