@@ -198,3 +198,109 @@ def test_bad_masks_get_clear_errors():
     for kwargs, error, message in cases:
         with pytest.raises(error, match=message):
             flashbob.attention(q, kv, kv, **kwargs)
+
+
+# ----------------------------------------------------------------------------- FlexAttention block masks
+
+
+def flex_mask_mods(gen, batch, n, m):
+    """mask_mods of several kinds: sliding window, packed documents with causality, a per-head pattern, and
+    global tokens plus a window."""
+    documents = random_ids(gen, batch, max(n, m), 3)
+    return {
+        "sliding_window": (lambda b, h, q, kv: (q - kv >= 0) & (q - kv < 20), None),
+        "causal_documents": (lambda b, h, q, kv: (q >= kv) & (documents[b, q] == documents[b, kv]), None),
+        "per_head": (lambda b, h, q, kv: (q + 3 * h) % 4 != kv % 3, "heads"),
+        "global_tokens_and_window": (lambda b, h, q, kv: (kv < 2) | ((q - kv).abs() <= 5), None),
+    }
+
+
+@pytest.mark.parametrize("block_size", [(16, 16), (32, 8)])
+def test_block_masks_match_flex_attention_and_the_dense_oracle(gen, block_size):
+    """flashbob.flex_attention equals torch's flex_attention (forward; torch's has no CPU backward), and every
+    derivative equals the materialising oracle with the dense mask of the mask_mod, for several mask_mods, a per-head
+    mask, N != M and GQA."""
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention
+
+    batch, heads, kv_heads, n, m, head_dim = 2, 4, 2, 70, 53, 16
+    t = {name: torch.randn(batch, h, length, head_dim, generator=gen, dtype=torch.float64)
+         for name, h, length in (("q", heads, n), ("k", kv_heads, m), ("v", kv_heads, m), ("do", heads, n))}
+    for name, (mask_mod, per_head) in flex_mask_mods(gen, batch, n, m).items():
+        block_mask = create_block_mask(mask_mod, batch, heads if per_head else None, n, m, device="cpu",
+                                       BLOCK_SIZE=block_size)
+        q, k, v = (t[x].clone().requires_grad_() for x in ("q", "k", "v"))
+        out = flashbob.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+        with torch.no_grad():
+            torch_out = torch_flex_attention(t["q"], t["k"], t["v"], block_mask=block_mask, enable_gqa=True)
+        torch.testing.assert_close(out, torch_out, rtol=1e-10, atol=1e-10, msg=name)
+        dense = masks.dense(n, m, block_mask=block_mask)
+        mask_mod_dense = create_mask(mask_mod, batch, heads if per_head else None, n, m, device="cpu")
+        assert torch.equal(dense.expand(batch, -1, -1, -1), mask_mod_dense.expand(batch, dense.shape[1], -1, -1)), name
+        expected = reference.attention(q, k, v, attn_mask=dense)
+        torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10, msg=name)
+        grads = torch.autograd.grad(out, (q, k, v), t["do"], create_graph=True)
+        hvp = torch.autograd.grad(sum((g * g).sum() for g in grads), (q, k, v))
+        grads_ref = torch.autograd.grad(expected, (q, k, v), t["do"], create_graph=True)
+        hvp_ref = torch.autograd.grad(sum((g * g).sum() for g in grads_ref), (q, k, v))
+        for got, want in zip((*grads, *hvp), (*grads_ref, *hvp_ref)):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9, msg=name)
+        tangents = tuple(torch.randn_like(x) for x in (q, k, v))
+        o_dot = torch.func.jvp(lambda *x: flashbob.flex_attention(*x, block_mask=block_mask, enable_gqa=True),
+                               (t["q"], t["k"], t["v"]), tangents)[1]
+        o_dot_ref = torch.func.jvp(lambda *x: reference.attention(*x, attn_mask=dense), (t["q"], t["k"], t["v"]),
+                                   tangents)[1]
+        torch.testing.assert_close(o_dot, o_dot_ref, rtol=1e-10, atol=1e-10, msg=name)
+
+
+def test_block_mask_tiles_hold_partial_tiles_only():
+    """A sliding window of 64 over 4096 tokens in 128-tiles: the tiles' element-wise mask holds the partial
+    (diagonal) tiles, ~2 per query tile, not N x M."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    n = 4096
+    block_mask = create_block_mask(lambda b, h, q, kv: (q >= kv) & (q - kv < 64), None, None, n, n, device="cpu")
+    q = torch.zeros(1, 1, n, 8)
+    tile_state, tile_bits = masks.block_tiles(block_mask, q, q)
+    assert tile_bits.numel() <= 2 * (n // 128) * 128 * 128 < n * n / 10
+    assert tile_state.shape == (1, 1, n // 128, n // 128)
+
+
+def test_bad_block_masks_and_flex_arguments_get_clear_errors():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    q = torch.randn(1, 2, 32, 8)
+    k = torch.randn(1, 1, 32, 8)
+    block_mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 64, 64, device="cpu")
+    with pytest.raises(ValueError, match="Q_LEN = 64, KV_LEN = 64 but the inputs have N = 32"):
+        flashbob.attention(q, k, k, block_mask=block_mask)
+    with pytest.raises(TypeError, match="block_mask must be a torch.nn.attention.flex_attention.BlockMask"):
+        flashbob.attention(q, k, k, block_mask=torch.ones(32, 32, dtype=torch.bool))
+    small = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 32, 32, device="cpu")
+    with pytest.raises(TypeError, match="takes no score_mod"):
+        flashbob.flex_attention(q, k, k, score_mod=lambda score, b, h, q, kv: score, block_mask=small)
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        flashbob.flex_attention(q, k, k, block_mask=small)
+    with pytest.raises(ValueError, match="backend='triton' does not take a block_mask"):
+        flashbob.attention(q, k, k, block_mask=small, backend="triton")
+
+
+def test_patch_flex_attention_routes_torch_calls_without_score_mod(gen):
+    """Inside the patch, torch's flex_attention (looked up on its module) runs flashbob's, which is differentiable
+    twice; calls with a score_mod keep torch's function; the patch closes cleanly."""
+    from torch.nn.attention import flex_attention as torch_flex
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    original = torch_flex.flex_attention
+    q, k, v = (torch.randn(1, 2, 24, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    block_mask = create_block_mask(lambda b, h, qi, kv: qi >= kv, None, None, 24, 24, device="cpu",
+                                   BLOCK_SIZE=(8, 8))
+    with flashbob.patch_flex_attention(backend="blocked"):
+        out = torch_flex.flex_attention(q, k, v, block_mask=block_mask)
+        (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+        torch.autograd.grad(dq.sum(), (q, k, v))  # a second derivative: torch's flex_attention has none
+        scored = torch_flex.flex_attention(q.detach(), k.detach(), v.detach(), block_mask=block_mask,
+                                           score_mod=lambda s, b, h, qi, kv: s * 2)  # torch's: no CPU backward
+        assert scored.shape == out.shape
+    assert torch_flex.flex_attention is original
+    torch.testing.assert_close(out, reference.attention(q, k, v, causal=True), rtol=1e-10, atol=1e-10)
