@@ -1,6 +1,6 @@
 """flashbob: softmax attention that is exactly differentiable twice, without an N x M tensor."""
 
-from flashbob import reference
+from flashbob import masks, reference
 from flashbob.attention import attention
 from flashbob.dropin import FallbackError, FallbackWarning, patch_sdpa, sdpa, set_strict
 from flashbob.flex import flex_attention, patch_flex_attention
@@ -8,7 +8,7 @@ from flashbob.flex import flex_attention, patch_flex_attention
 __version__ = "0.1.0"
 __all__ = [
     "attention", "sdpa", "patch_sdpa", "flex_attention", "patch_flex_attention", "set_strict", "FallbackWarning",
-    "FallbackError", "reference", "tune", "__version__",
+    "FallbackError", "masks", "reference", "tune", "__version__",
 ]
 
 

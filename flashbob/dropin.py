@@ -149,7 +149,7 @@ def _fallback_reason(query, key, value, attn_mask, dropout_p) -> str | None:
     return None if attn_mask is None else _opaque_mask_reason(attn_mask)
 
 
-def _as_bool_mask(mask: torch.Tensor) -> torch.Tensor | None:
+def as_bool_mask(mask: torch.Tensor) -> torch.Tensor | None:
     """A bool view of ``mask`` (True = attend) if it is bool or a float mask of only 0 and -inf, else None."""
     if mask.dtype == torch.bool:
         return mask
@@ -262,7 +262,7 @@ def sdpa(
 
     causal, key_mask = is_causal, None
     if attn_mask is not None:
-        bool_mask = _as_bool_mask(attn_mask)
+        bool_mask = as_bool_mask(attn_mask)
         key_mask, mask_is_causal = (None, False) if bool_mask is None else key_mask_of(bool_mask, batch, heads, n, m)
         if key_mask is None:
             _fallback("an attn_mask that is not a key-padding (or causal & key-padding) mask")

@@ -181,3 +181,64 @@ def test_models_that_compute_attention_themselves_are_refused():
         for mask in (None, padding):
             with pytest.raises(ValueError, match="compute attention themselves, not through transformers' attention"):
                 model(ids, attention_mask=mask)
+
+
+def test_sliding_window_models_run_in_the_kernels_and_match_eager():
+    """A tiny random Mistral and Qwen2 with a sliding window shorter than the sequence: transformers builds a
+    sliding-window mask, which 'bob' reads as window= (no fallback): logits equal eager's (float32) and the
+    materialising oracle's (float64), and an exact HVP equals the oracle's."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, sliding_window=4)
+    ids = torch.randint(0, 64, (2, 13), generator=torch.Generator().manual_seed(5))
+    for model_class, config in ((MistralForCausalLM, MistralConfig(**small)),
+                                (Qwen2ForCausalLM, Qwen2Config(**small, use_sliding_window=True,
+                                                              max_window_layers=0, layer_types=None))):
+        def build_model(implementation, dtype, sliding_window=small["sliding_window"]):
+            torch.manual_seed(0)
+            model_config = copy.deepcopy(config)
+            model_config.sliding_window = sliding_window
+            return model_class._from_config(model_config, attn_implementation=implementation).to(dtype).eval()
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FallbackWarning)
+            bob32 = build_model(huggingface.NAME, torch.float32)(ids).logits
+            bob64 = build_model(huggingface.NAME, torch.float64)(ids).logits
+        eager32 = build_model("eager", torch.float32)(ids).logits
+        exact64 = build_model("naive_test", torch.float64)(ids).logits
+        full64 = build_model("naive_test", torch.float64, sliding_window=64)(ids).logits  # wider than the input
+        assert (bob32 - eager32).abs().max() < 1e-5
+        assert (bob64 - exact64).abs().max() < 1e-10
+        assert (bob64 - full64).abs().max() > 1e-3, model_class.__name__  # the window matters here
+
+
+def test_packed_position_ids_run_as_documents_in_the_kernels():
+    """A packed Llama batch (position ids restarting, no cu_seq_lens): transformers builds a block-diagonal causal
+    mask, which 'bob' reads as document_ids (no fallback); the logits equal each sequence run alone."""
+    ids, _ = batch()
+    lengths = [4, 3, 4]
+    packed = ids[:1]
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    model = build("llama", huggingface.NAME, torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        got = model(packed, position_ids=position_ids, use_cache=False).logits[0]
+    naive = build("llama", "naive_test", torch.float64)
+    want = torch.cat([naive(part[None]).logits[0] for part in packed[0].split(lengths)])
+    assert (got - want).abs().max() < 1e-10
+
+
+def test_masks_read_as_flashbob_masks_are_exactly_the_given_mask():
+    """The reading of a mask as flashbob's masks is checked element by element: a sliding-window mask with one
+    entry flipped is not read as a window (None: it goes on to flashbob.sdpa)."""
+    n = 9
+    q = torch.randn(1, 2, n, 4, dtype=torch.float64)
+    window = flashbob.masks.dense(n, n, causal=True, window=(2, 0))
+    module = torch.nn.Module()
+    module.is_causal = True
+    assert huggingface._as_flashbob_masks(module, q, q, window, {"sliding_window": 3}) == dict(
+        causal=True, window=(2, 0), document_ids=None, key_mask=None)
+    flipped = window.clone()
+    flipped[0, 0, 7, 1] = True
+    assert huggingface._as_flashbob_masks(module, q, q, flipped, {"sliding_window": 3}) is None
