@@ -35,9 +35,8 @@ class Backend:
 BLOCKED = Backend("blocked", *(operators.with_window(operators.BLOCKED[name]) for name in operators.PASSES))
 #: The kernels' operators with ``allow_tf32`` bound, by its value; none where the kernels cannot run.
 TRITON = {
-    allow_tf32: Backend("triton", *(operators.with_window(functools.partial(operators.KERNELS[name],
-                                                                            allow_tf32=allow_tf32))
-                                    for name in operators.PASSES))
+    allow_tf32: Backend("triton", *(functools.partial(operators.with_window(operators.KERNELS[name]),
+                                                      allow_tf32=allow_tf32) for name in operators.PASSES))
     for allow_tf32 in ((False, True) if operators.KERNELS else ())
 }
 

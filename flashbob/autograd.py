@@ -171,17 +171,17 @@ class Attention(torch.autograd.Function):
     @staticmethod
     @_legacy_vmap_support
     def forward(q, k, v, key_mask, q_ids, k_ids, tile_state, tile_bits, causal: bool, window, scale: float, backend):
-        return kept.through("forward", (q, k, v, key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window, scale, backend),
-                            lambda: backend.forward(q, k, v, scale=scale, **_masks(key_mask, q_ids, k_ids, tile_state, tile_bits, causal,
-                                                                                  window)))
+        masks = _masks(key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window)
+        return kept.through("forward", (q, k, v, *masks.values(), scale, backend),
+                            lambda: backend.forward(q, k, v, scale=scale, **masks))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, key_mask, q_ids, k_ids, tile_state, tile_bits, ctx.causal, ctx.window, ctx.scale, ctx.backend = inputs
+        q, k, v, *masks, ctx.causal, ctx.window, ctx.scale, ctx.backend = inputs
         o, stats = output
         ctx.set_materialize_grads(False)  # absent tangents stay None: the backends skip them
-        ctx.save_for_backward(q, k, v, o, stats, key_mask, q_ids, k_ids, tile_state, tile_bits)
-        ctx.save_for_forward(q, k, v, o, stats, key_mask, q_ids, k_ids, tile_state, tile_bits)
+        ctx.save_for_backward(q, k, v, o, stats, *masks)
+        ctx.save_for_forward(q, k, v, o, stats, *masks)
 
     @staticmethod
     def backward(ctx, do, _stats_grad):
@@ -213,17 +213,19 @@ class AttentionBackward(torch.autograd.Function):
 
     @staticmethod
     @_legacy_vmap_support
-    def forward(q, k, v, do, o, stats, key_mask, q_ids, k_ids, tile_state, tile_bits, causal: bool, window, scale: float, backend):
-        return backend.backward(q, k, v, o, stats, do, scale=scale, **_masks(key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window))
+    def forward(q, k, v, do, o, stats, key_mask, q_ids, k_ids, tile_state, tile_bits, causal: bool, window,
+                scale: float, backend):
+        masks = _masks(key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window)
+        return backend.backward(q, k, v, o, stats, do, scale=scale, **masks)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, do, o, stats, key_mask, q_ids, k_ids, tile_state, tile_bits, ctx.causal, ctx.window, ctx.scale, ctx.backend = inputs
+        q, k, v, do, o, stats, *masks, ctx.causal, ctx.window, ctx.scale, ctx.backend = inputs
         delta = output[3]
         ctx.mark_non_differentiable(delta)
         ctx.set_materialize_grads(False)  # absent cotangents and tangents stay None: the backends skip them
-        ctx.save_for_backward(q, k, v, do, o, stats, delta, key_mask, q_ids, k_ids, tile_state, tile_bits)
-        ctx.save_for_forward(q, k, v, do, o, stats, delta, key_mask, q_ids, k_ids, tile_state, tile_bits)
+        ctx.save_for_backward(q, k, v, do, o, stats, delta, *masks)
+        ctx.save_for_forward(q, k, v, do, o, stats, delta, *masks)
 
     @staticmethod
     def backward(ctx, dq_bar, dk_bar, dv_bar, _delta_grad):
@@ -278,8 +280,8 @@ class BackwardOverBackward(_Terminal):
 
     @staticmethod
     @_legacy_vmap_support
-    def forward(q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window, scale,
-                backend):
+    def forward(q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, key_mask, q_ids, k_ids, tile_state, tile_bits,
+                causal, window, scale, backend):
         return backend.bob(q, k, v, do, o, stats, delta, dq_bar, dk_bar, dv_bar, scale=scale,
                            **_masks(key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window))
 
@@ -292,12 +294,12 @@ class AttentionTangent(_Terminal):
 
     @staticmethod
     @_legacy_vmap_support
-    def forward(q, k, v, o, stats, q_dot, k_dot, v_dot, key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window, scale, backend):
+    def forward(q, k, v, o, stats, q_dot, k_dot, v_dot, key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window,
+                scale, backend):
+        masks = _masks(key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window)
         return kept.through(
-            "forward_jvp", (q, k, v, o, stats, q_dot, k_dot, v_dot, key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window, scale,
-                            backend),
-            lambda: backend.forward_jvp(q, k, v, o, stats, q_dot, k_dot, v_dot, scale=scale,
-                                        **_masks(key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window)),
+            "forward_jvp", (q, k, v, o, stats, q_dot, k_dot, v_dot, *masks.values(), scale, backend),
+            lambda: backend.forward_jvp(q, k, v, o, stats, q_dot, k_dot, v_dot, scale=scale, **masks),
         )
 
 
@@ -309,7 +311,7 @@ class AttentionBackwardTangent(_Terminal):
     @staticmethod
     @_legacy_vmap_support
     def forward(q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, o_dot, stats_dot, key_mask, q_ids, k_ids,
-                causal, window, scale, backend):
+                tile_state, tile_bits, causal, window, scale, backend):
         return backend.backward_jvp(
             q, k, v, do, o, stats, delta, q_dot, k_dot, v_dot, do_dot, o_dot=o_dot, stats_dot=stats_dot, scale=scale,
             **_masks(key_mask, q_ids, k_ids, tile_state, tile_bits, causal, window),

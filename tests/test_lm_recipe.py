@@ -492,3 +492,35 @@ def test_betas_other_than_two_numbers_in_0_1_are_refused(betas):
     with pytest.raises(ConfigError, match=r"optimizer.betas must be two numbers in \[0, 1\) or null"):
         load_config(str(LM.configs / "tiny.yaml"), [f"optimizer.betas={betas}"])
     assert load_config(str(LM.configs / "tiny.yaml"), ["optimizer.betas=[0.9,0.95]"]).optimizer.betas == [0.9, 0.95]
+
+
+def test_document_ids_end_each_document_with_its_separator():
+    tokens = torch.tensor([[5, 0, 7, 8, 0, 0, 9], [1, 2, 3, 4, 5, 6, 7]])
+    assert data.document_ids(tokens).tolist() == [[0, 0, 1, 1, 1, 2, 3], [0] * 7]
+
+
+def test_window_and_packed_documents_are_the_dense_masks_of_eager_attention():
+    """model.window and packed documents: the GPT on flashbob equals the GPT on naive attention with the same
+    dense mask, and a token's logits do not depend on tokens outside its window or its document."""
+    torch.manual_seed(0)
+    tokens = torch.randint(1, 256, (2, 24))
+    tokens[0, 9] = tokens[1, 3] = 0  # separators: documents end there
+    ids = data.document_ids(tokens)
+    models = {name: GPT(vocab_size=256, d_model=32, n_layers=2, n_heads=4, attention=name, window=6).double()
+              for name in ("auto", "eager")}
+    models["eager"].load_state_dict(models["auto"].state_dict())
+    logits = {name: model(tokens, ids) for name, model in models.items()}
+    torch.testing.assert_close(logits["auto"], logits["eager"], rtol=1e-10, atol=1e-10)
+    changed = tokens.clone()
+    changed[0, 3] = (changed[0, 3] + 1) % 255 + 1  # in document 0 (positions 0-9)
+    moved = models["auto"](changed, ids)
+    torch.testing.assert_close(moved[0, 10:], logits["auto"][0, 10:], rtol=0, atol=0)  # document 1 never sees it
+    assert (moved[0, 3:10] - logits["auto"][0, 3:10]).abs().max() > 0
+
+
+def test_the_recipe_trains_with_a_window_and_packed_documents(tmp_path):
+    summary = train(LM.config(tmp_path, "train.steps=3", "model.window=16", "data.pack_documents=true",
+                              "optimizer.name=sophiah", "optimizer.lr=1e-3", "optimizer.kwargs={update_period: 2}"))
+    assert np.isfinite(summary["val/loss"])
+    with pytest.raises(ConfigError, match="model.window must be a positive number"):
+        load_config(None, ["model.window=0"])

@@ -27,6 +27,17 @@ VALIDATION_SEED = 1
 BINARY_DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32}  # uint32: vocabularies above 65,536
 
 
+#: The separator's token id: the NUL byte, and token 0 of the BPE tokenizer (recipes.common.bpe)
+SEPARATOR_ID = 0
+
+
+def document_ids(tokens: torch.Tensor, separator: int = SEPARATOR_ID) -> torch.Tensor:
+    """The document of each token of ``tokens`` ``(batch, seq)``, counted from 0 in each row: a document ends with
+    its separator token (so the separator belongs to the document it closes)."""
+    ends = (tokens == separator).long()
+    return ends.cumsum(dim=-1) - ends
+
+
 def encode(text: str) -> np.ndarray:
     """UTF-8 bytes of ``text`` as ``uint8`` tokens."""
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()

@@ -26,17 +26,36 @@ from torch import nn
 import flashbob
 from flashbob import reference
 
-#: ``(q, k, v, *, causal) -> o``, each ``(batch, heads, seq, head_dim)``; ``k`` and ``v`` may have fewer heads (GQA)
+#: ``(q, k, v, *, causal, window=None, document_ids=None) -> o``, each ``(batch, heads, seq, head_dim)``; ``k`` and
+#: ``v`` may have fewer heads (GQA); ``window`` and ``document_ids`` as in :func:`flashbob.attention`
 AttentionFn = Callable[..., torch.Tensor]
 BACKENDS = ("auto", "triton", "blocked")
 ATTENTION = (*BACKENDS, "eager")  # twice differentiable: what curvature products, MAML and TTT need
 FIRST_ORDER_ATTENTION = ("sdpa",)  # differentiable once
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, window=None,
+         document_ids=None) -> torch.Tensor:
     """:func:`torch.nn.functional.scaled_dot_product_attention` (torch's fused kernels), with GQA when ``k`` has
-    fewer heads than ``q``. Its backward cannot be differentiated again."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
+    fewer heads than ``q``; a window or documents as a dense boolean mask. Its backward cannot be differentiated
+    again."""
+    gqa = k.shape[1] != q.shape[1]
+    if window is None and document_ids is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    mask = flashbob.masks.dense(q.shape[2], k.shape[2], causal=causal, window=window, document_ids=document_ids,
+                                device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, window=None,
+          document_ids=None) -> torch.Tensor:
+    """:func:`flashbob.reference.attention` (materialised scores, PyTorch autograd); a window or documents as a
+    dense boolean mask."""
+    if window is None and document_ids is None:
+        return reference.attention(q, k, v, causal=causal)
+    mask = flashbob.masks.dense(q.shape[2], k.shape[2], causal=causal, window=window, document_ids=document_ids,
+                                device=q.device)
+    return reference.attention(q, k, v, attn_mask=mask)
 
 
 def attention_function(name: str) -> AttentionFn:
@@ -47,14 +66,15 @@ def attention_function(name: str) -> AttentionFn:
     :func:`sdpa` (fast, differentiable once). ``flashbob.attention`` is
     looked up at each call, so patching it (as the benchmarks do) reaches every model built here."""
     if name == "eager":
-        return reference.attention
+        return eager
     if name == "sdpa":
         return sdpa
     if name not in BACKENDS:
         raise ValueError(f"attention must be one of {', '.join((*ATTENTION, *FIRST_ORDER_ATTENTION))}, got {name!r}")
 
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
-        return flashbob.attention(q, k, v, causal=causal, backend=name)
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, window=None,
+               document_ids=None) -> torch.Tensor:
+        return flashbob.attention(q, k, v, causal=causal, window=window, document_ids=document_ids, backend=name)
 
     return attend
 
@@ -80,10 +100,10 @@ class AttentionSwitch:
         self.twice = self.first_order if attention in ATTENTION else attention_function("auto")
         self._curvature = False
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, **masks) -> torch.Tensor:
         tangents = any(fwAD.unpack_dual(t).tangent is not None for t in (q, k, v))
         attend = self.twice if self._curvature or tangents else self.first_order
-        return attend(q, k, v, causal=causal)
+        return attend(q, k, v, causal=causal, **masks)
 
     def current(self) -> Callable[[], AbstractContextManager]:
         """A factory of context managers that re-enter the present mode: for a recomputation that runs outside the
@@ -203,6 +223,16 @@ def rotate(x: torch.Tensor, base: float) -> torch.Tensor:
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+def sliding_window(window: int | None, causal: bool) -> tuple[int, int] | None:
+    """flashbob's ``window`` for a model whose queries see the ``window`` nearest keys up to themselves (causal:
+    itself and the ``window - 1`` before it), or keys at a distance below ``window`` (not causal); None: all."""
+    if window is None:
+        return None
+    if window < 1:
+        raise ValueError(f"window must be a positive number of keys (or None), got {window}")
+    return (window - 1, 0) if causal else (window - 1, window - 1)
+
+
 def matrix(fan_in: int, fan_out: int, gain: float = 1.0) -> nn.Parameter:
     """A ``(fan_in, fan_out)`` weight drawn from :math:`\\mathcal{N}(0, \\mathrm{gain}^2 / \\mathrm{fan\\_in})`."""
     return nn.Parameter(torch.randn(fan_in, fan_out) * gain / math.sqrt(fan_in))
@@ -213,10 +243,11 @@ class SelfAttention(nn.Module):
     fewer than ``n_heads``), rotary positions, attention, output projection."""
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, causal: bool, rope_base: float,
-                 attend: AttentionFn, out_gain: float):
+                 attend: AttentionFn, out_gain: float, window: int | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.causal, self.rope_base, self.attend = (n_heads, n_kv_heads, causal,
                                                                                   rope_base, attend)
+        self.window = sliding_window(window, causal)
         head_dim = d_model // n_heads
         self.widths = (n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim)
         self.qkv = matrix(d_model, sum(self.widths))
@@ -227,7 +258,7 @@ class SelfAttention(nn.Module):
         q = rearrange(q, "b n (h d) -> b h n d", h=self.n_heads)
         k, v = (rearrange(t, "b n (h d) -> b h n d", h=self.n_kv_heads) for t in (k, v))
         q, k = rotate(q, self.rope_base), rotate(k, self.rope_base)
-        o = self.attend(q, k, v, causal=self.causal)
+        o = self.attend(q, k, v, causal=self.causal, **({} if self.window is None else {"window": self.window}))
         return rearrange(o, "b h n d -> b n (h d)") @ self.out
 
 
@@ -262,10 +293,10 @@ class Block(nn.Module):
     """``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, mlp_ratio: float, causal: bool, rope_base: float,
-                 attend: AttentionFn, out_gain: float):
+                 attend: AttentionFn, out_gain: float, window: int | None = None):
         super().__init__()
         self.norm1, self.norm2 = RMSNorm(d_model), RMSNorm(d_model)
-        self.attn = SelfAttention(d_model, n_heads, n_kv_heads, causal, rope_base, attend, out_gain)
+        self.attn = SelfAttention(d_model, n_heads, n_kv_heads, causal, rope_base, attend, out_gain, window)
         self.mlp = MLP(d_model, mlp_hidden(d_model, "gelu", mlp_ratio), out_gain)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -279,13 +310,13 @@ class Transformer(nn.Module):
     ``readout="tokens"``: logits ``(batch, seq, n_outputs)`` at every position (a language model when
     ``causal``); ``readout="mean"``: logits ``(batch, n_outputs)`` of the mean-pooled sequence (a
     sequence classifier). ``attention`` is a name of :data:`ATTENTION` (see :func:`attention_function`)
-    or an attention function ``(q, k, v, *, causal) -> o`` itself; ``n_kv_heads`` (default
-    ``n_heads``) must divide ``n_heads``.
+    or an attention function ``(q, k, v, *, causal, window=None) -> o`` itself; ``n_kv_heads`` (default
+    ``n_heads``) must divide ``n_heads``; ``window`` (:func:`sliding_window`) limits each query to its nearest keys.
     """
 
     def __init__(self, *, vocab_size: int, n_outputs: int, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
                  n_kv_heads: int | None = None, mlp_ratio: float = 4.0, causal: bool = True, readout: str = "tokens",
-                 rope_base: float = 10000.0, attention: str | AttentionFn = "auto"):
+                 rope_base: float = 10000.0, attention: str | AttentionFn = "auto", window: int | None = None):
         super().__init__()
         n_kv_heads = kv_heads(d_model, n_heads, n_kv_heads)
         if readout not in ("tokens", "mean"):
@@ -295,7 +326,7 @@ class Transformer(nn.Module):
         self.embed = nn.Parameter(torch.randn(vocab_size, d_model))
         out_gain = 1 / math.sqrt(2 * n_layers)  # residual branches scaled down with depth
         self.blocks = nn.ModuleList(Block(d_model, n_heads, n_kv_heads, mlp_ratio, causal, rope_base, attend,
-                                          out_gain) for _ in range(n_layers))
+                                          out_gain, window) for _ in range(n_layers))
         self.norm = RMSNorm(d_model)
         self.head = matrix(d_model, n_outputs)
 

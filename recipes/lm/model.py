@@ -19,7 +19,16 @@ from einops import rearrange
 from torch import nn
 
 import optim
-from recipes.common.transformer import AttentionFn, AttentionSwitch, RMSNorm, kv_heads, mlp_hidden, rotate, silu
+from recipes.common.transformer import (
+    AttentionFn,
+    AttentionSwitch,
+    RMSNorm,
+    kv_heads,
+    mlp_hidden,
+    rotate,
+    silu,
+    sliding_window,
+)
 
 
 def make_norm(kind: str, dim: int) -> nn.Module:
@@ -32,11 +41,13 @@ def make_norm(kind: str, dim: int) -> nn.Module:
 
 
 class CausalSelfAttention(nn.Module):
-    """Query/key/value projections, RoPE, causal attention, output projection."""
+    """Query/key/value projections, RoPE, causal attention (over the ``window`` latest keys if set, within each
+    document if document ids are given), output projection."""
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, rope_base: float, attend: AttentionFn,
-                 dropout: float):
+                 dropout: float, window: int | None = None):
         super().__init__()
+        self.window = sliding_window(window, causal=True)
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, d_model // n_heads
         self.rope_base, self.attend = rope_base, attend
         self.q = nn.Linear(d_model, n_heads * self.head_dim, bias=False)
@@ -44,11 +55,13 @@ class CausalSelfAttention(nn.Module):
         self.out = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         q = rearrange(self.q(x), "b n (h d) -> b h n d", h=self.n_heads)
         k, v = rearrange(self.kv(x), "b n (two h d) -> two b h n d", two=2, h=self.n_kv_heads)
         q, k = rotate(q, self.rope_base), rotate(k, self.rope_base)
-        o = self.attend(q, k, v, causal=True)
+        masks = {name: value for name, value in (("window", self.window), ("document_ids", document_ids))
+                 if value is not None}
+        o = self.attend(q, k, v, causal=True, **masks)
         return self.dropout(self.out(rearrange(o, "b h n d -> b n (h d)")))
 
 
@@ -76,14 +89,14 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, d_model, n_heads, n_kv_heads, norm, mlp, mlp_ratio, rope_base, attend, dropout):
+    def __init__(self, d_model, n_heads, n_kv_heads, norm, mlp, mlp_ratio, rope_base, attend, dropout, window=None):
         super().__init__()
         self.norm1, self.norm2 = make_norm(norm, d_model), make_norm(norm, d_model)
-        self.attn = CausalSelfAttention(d_model, n_heads, n_kv_heads, rope_base, attend, dropout)
+        self.attn = CausalSelfAttention(d_model, n_heads, n_kv_heads, rope_base, attend, dropout, window)
         self.mlp = MLP(d_model, mlp, mlp_ratio, dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
+    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), document_ids)
         return x + self.mlp(self.norm2(x))
 
 
@@ -92,7 +105,8 @@ class GPT(nn.Module):
 
     ``attention`` names the attention (:func:`~recipes.common.transformer.attention_function`); every
     block calls :attr:`attention`, an :class:`~recipes.common.transformer.AttentionSwitch`, so
-    ``with model.attention.for_curvature():`` makes the model twice differentiable for a pass.
+    ``with model.attention.for_curvature():`` makes the model twice differentiable for a pass. ``window``: each
+    query sees itself and the ``window - 1`` tokens before it (None: every earlier token).
     """
 
     def __init__(
@@ -111,6 +125,7 @@ class GPT(nn.Module):
         dropout: float = 0.0,
         checkpoint_activations: bool = False,
         attention: str = "auto",
+        window: int | None = None,
     ):
         super().__init__()
         n_kv_heads = kv_heads(d_model, n_heads, n_kv_heads)
@@ -118,7 +133,7 @@ class GPT(nn.Module):
         self.attention = attend = AttentionSwitch(attention)
         self.embed = nn.Embedding(vocab_size, d_model)
         self.blocks = nn.ModuleList(
-            Block(d_model, n_heads, n_kv_heads, norm, mlp, mlp_ratio, rope_base, attend, dropout)
+            Block(d_model, n_heads, n_kv_heads, norm, mlp, mlp_ratio, rope_base, attend, dropout, window)
             for _ in range(n_layers)
         )
         self.norm = make_norm(norm, d_model)
@@ -135,14 +150,16 @@ class GPT(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits ``(batch, seq, vocab)`` for the next token after each of ``tokens`` ``(batch, seq)``."""
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``(batch, seq, vocab)`` for the next token after each of ``tokens`` ``(batch, seq)``; with
+        ``document_ids`` ``(batch, seq)`` (packed documents), a token attends only within its document."""
         x = self.embed(tokens)
+        extra = () if document_ids is None else (document_ids,)
         for block in self.blocks:
             if self.checkpoint_activations and torch.is_grad_enabled():
-                x = optim.checkpoint(block, x, context=self.attention.current())
+                x = optim.checkpoint(block, x, *extra, context=self.attention.current())
             else:
-                x = block(x)
+                x = block(x, *extra)
         return self.head(self.norm(x))
 
 

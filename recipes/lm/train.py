@@ -61,6 +61,7 @@ class ModelConfig:
     dropout: float = 0.0  # after attention and MLP outputs
     checkpoint_activations: bool = False  # recompute each block in backward (optim.checkpoint; forward mode too)
     attention: str = "auto"  # flashbob: auto | triton | blocked; eager (naive); sdpa (torch, flashbob for curvature)
+    window: Optional[int] = None  # sliding window: each token attends to itself and the window - 1 before it; None: all
 
 
 @dataclass
@@ -76,6 +77,8 @@ class DataConfig:
     val_fraction: float = 0.05  # share of documents (stdlib/text) or of the tail (binary) held out
     context_length: int = 256  # tokens per training sequence
     batch_size: int = 8  # sequences per micro-batch and process (torchrun: the global batch is N times this)
+    pack_documents: bool = False  # attend only within each document of a sequence (documents end with token 0,
+    # the separator of the byte and BPE tokenizers)
 
 
 @dataclass
@@ -138,6 +141,8 @@ NON_NEGATIVE = ("optimizer.weight_decay", "optimizer.grad_clip", "optimizer.warm
 def validate(cfg: DictConfig) -> None:
     """Raise :class:`ConfigError` for values the schema's types allow but the recipe cannot run."""
     configs.check(cfg, CHOICES, POSITIVE, NON_NEGATIVE)
+    if cfg.model.window is not None and cfg.model.window < 1:
+        raise ConfigError(f"model.window must be a positive number of tokens (or null for all), got {cfg.model.window}")
     m = cfg.model
     configs.check_head_dim(m)
     if m.dropout >= 1:
@@ -296,8 +301,9 @@ def build(cfg: DictConfig, device: torch.device, autocast: Autocast, ctx: distri
 
     def forward_of(module: torch.nn.Module) -> optimizers.Forward:
         def forward(inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            document_ids = data.document_ids(inputs) if d.pack_documents else None
             with autocast():
-                logits = module(inputs)
+                logits = module(inputs, document_ids)
             return cross_entropy(logits, targets), logits
 
         return forward

@@ -43,6 +43,7 @@ class ModelConfig:
     n_heads: int = 4  # heads; head_dim = d_model / n_heads (must be even, for RoPE)
     mlp_ratio: float = 4.0  # MLP hidden width / d_model
     attention: str = "auto"  # flashbob backend auto (Triton on CUDA, else blocked) | triton | blocked, or eager (naive)
+    window: Optional[int] = None  # sliding window: each token attends to itself and the window - 1 before it; None: all
 
 
 @dataclass
@@ -116,6 +117,8 @@ def validate(cfg: DictConfig) -> None:
     """Raise :class:`ConfigError` for values the schema's types allow but the recipe cannot run."""
     configs.check(cfg, CHOICES, POSITIVE, NON_NEGATIVE)
     configs.check_head_dim(cfg.model)
+    if cfg.model.window is not None and cfg.model.window < 1:
+        raise ConfigError(f"model.window must be a positive number of tokens (or null for all), got {cfg.model.window}")
     if cfg.ttt.layers > cfg.model.n_layers:
         raise ConfigError(f"ttt.layers ({cfg.ttt.layers}) must be <= model.n_layers ({cfg.model.n_layers})")
     configs.check_data(cfg.data)
@@ -129,7 +132,8 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> DictConfi
 def build_model(cfg: DictConfig) -> ttt.TTTModel:
     m = cfg.model
     lm = Transformer(vocab_size=data.VOCAB_SIZE, n_outputs=data.VOCAB_SIZE, d_model=m.d_model, n_layers=m.n_layers,
-                     n_heads=m.n_heads, mlp_ratio=m.mlp_ratio, causal=True, readout="tokens", attention=m.attention)
+                     n_heads=m.n_heads, mlp_ratio=m.mlp_ratio, causal=True, readout="tokens", attention=m.attention,
+                     window=m.window)
     names = ttt.fast_weight_names(lm, cfg.ttt.layers, cfg.ttt.weights)
     return ttt.TTTModel(lm, names, cfg.ttt.inner_lr, cfg.ttt.learn_lr)
 
