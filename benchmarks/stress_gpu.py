@@ -18,16 +18,18 @@ What a case is. Its compile-relevant half comes from one of ``--families`` fixed
 33-64 or 65+, and length 1, a multiple of 16, even or odd), head_dim from ``--head-dims``, causal,
 dtype, a layout for ``q, k, v`` and one for the cotangents (contiguous, ``(B, N, H, d)`` storage
 viewed transposed, head_dim stride 2, a slice of a longer sequence, or stride 0 along the batch),
-which inputs require grad, which first derivatives feed the second, and whether there is a key
-mask. The rest the case draws from its own seed: batch 1-3, lengths ``N`` and ``M`` independently
+which inputs require grad, which first derivatives feed the second, whether there is a key
+mask, a sliding window and document ids. The rest the case draws from its own seed: batch 1-3, lengths ``N`` and ``M`` independently
 within the family's classes (up to ``--max-len``; log-uniform above 64: odd and ragged values),
 the data, and in masked families a boolean key-padding mask ``key_mask``: per batch element all
 keys, a prefix (right padding), a suffix (left padding), a random subset, exactly one key, or
 none at all (a batch element whose rows see no key: zero output and gradients), as a ``(B, M)``
 tensor or one ``(M,)``/``(1, M)`` row broadcast over the batch. With causal masking, rows before the
-first kept key see none, and row 0 sees at most one. ``B * H * N * M`` is capped at
+first kept key see none, and row 0 sees at most one. In windowed families a ``window`` ``(left, right)``, each
+bound None or 0 to ``max(N, M)``; in document families ``(q_ids, k_ids)``, sorted runs or scattered ids (some
+queries then see no key). ``B * H * N * M`` is capped at
 ``--max-elements`` so that the float64 oracle takes milliseconds. The case runs
-``O = attention(q, k, v, causal=..., key_mask=...)``, ``grad(O, wrt, dO, create_graph=True)`` and the
+``O = attention(q, k, v, causal=..., key_mask=..., window=..., document_ids=...)``, ``grad(O, wrt, dO, create_graph=True)`` and the
 gradient of the chosen first derivatives with random cotangents, and the same through naive
 attention (:mod:`flashbob.reference`) with eager autograd in the case's dtype and in float64.
 
@@ -76,13 +78,15 @@ LAYOUTS = ("contiguous", "transposed", "strided", "sliced", "expanded")
 # Key-padding patterns of one batch element, with their weights among masked cases.
 MASK_KINDS = {"all": 1, "prefix": 3, "suffix": 2, "random": 2, "one": 2, "none": 1}
 MASK_PROBABILITY = 0.5
+WINDOW_PROBABILITY = 0.3
+DOCUMENTS_PROBABILITY = 0.3
 LENGTH_BUCKETS = ((1, 16), (17, 32), (33, 64), (65, None))
 FAMILY = ("heads", "kv_heads", "n_class", "m_class", "head_dim", "causal", "dtype", "layout", "cotangent_layout",
-          "requires_grad", "second", "masked")
+          "requires_grad", "second", "masked", "windowed", "documents")
 RATIO = 2.0
 SLACK = {"bf16": torch.finfo(torch.bfloat16).eps, "fp16": torch.finfo(torch.float16).eps, "fp32": 1e-5}
 PARAMETERS = ("case_seed", "family", "batch", "heads", "kv_heads", "n", "m", "head_dim", "causal", "dtype", "layout",
-              "cotangent_layout", "requires_grad", "second", "key_mask")
+              "cotangent_layout", "requires_grad", "second", "key_mask", "window", "document_ids")
 FIELDS = (*PARAMETERS, "worst_output", "err_flashbob", "err_eager", "verdict", "seconds", "compiles", "message")
 PROGRESS_SECONDS = 30.0
 
@@ -153,7 +157,8 @@ def draw_family(rng: random.Random, args) -> dict:
         "head_dim": rng.choice(args.head_dims), "causal": rng.random() < 0.5, "dtype": rng.choice(args.dtypes),
         "layout": rng.choice(LAYOUTS), "cotangent_layout": rng.choice(LAYOUTS),
         "requires_grad": "".join("qkv"[i] for i in wrt), "second": "".join("qkv"[i] for i in second),
-        "masked": rng.random() < MASK_PROBABILITY,
+        "masked": rng.random() < MASK_PROBABILITY, "windowed": rng.random() < WINDOW_PROBABILITY,
+        "documents": rng.random() < DOCUMENTS_PROBABILITY,
     }
 
 
@@ -205,7 +210,31 @@ def draw_case(case_seed: int, args) -> dict:
     case = {"case_seed": case_seed, "family": family_index, "batch": batch, "heads": heads, "n": n, "m": m,
             **family}
     case["key_mask"], case["mask_rows"] = draw_key_mask(rng, batch, m) if case["masked"] else ("", None)
+    case["window"] = draw_window(rng, max(n, m)) if case["windowed"] else None
+    case["document_ids"], case["id_rows"] = draw_documents(rng, batch, n, m) if case["documents"] else ("", None)
     return case
+
+
+def draw_window(rng: random.Random, longest: int) -> tuple[int | None, int | None]:
+    """``(left, right)``: each bound None (unbounded) or 0 to ``longest``, not both None."""
+    while True:
+        window = tuple(rng.choice([None, 0, rng.randint(0, longest)]) for _ in range(2))
+        if window != (None, None):
+            return window
+
+
+def draw_documents(rng: random.Random, batch: int, n: int, m: int) -> tuple[str, tuple[tuple, tuple]]:
+    """Document ids per batch element, 1-5 documents in sorted runs (packed sequences) or scattered: their
+    description for the CSV and the rows ``(q_ids, k_ids)``."""
+    documents = rng.randint(1, 5)
+    scattered = rng.random() < 0.3
+
+    def ids(length):
+        row = [rng.randrange(documents) for _ in range(length)]
+        return tuple(row if scattered else sorted(row))
+
+    rows = tuple(ids(n) for _ in range(batch)), tuple(ids(m) for _ in range(batch))
+    return f"{'scattered' if scattered else 'runs'}:{documents}", rows
 
 
 def make_key_mask(case: dict, device) -> torch.Tensor | None:
@@ -233,11 +262,34 @@ def make_tensor(shape, layout: str, dtype, device, generator) -> torch.Tensor:
     return randn(batch, heads, length, head_dim)
 
 
+def structured_masks(case: dict, device) -> dict:
+    """The case's ``window`` and ``document_ids`` as flashbob.attention takes them (absent ones left out)."""
+    masks = {} if case["window"] is None else {"window": case["window"]}
+    if case["id_rows"] is not None:
+        masks["document_ids"] = tuple(torch.tensor(ids, device=device) for ids in case["id_rows"])
+    return masks
+
+
+def with_dense_masks(attention):
+    """``attention`` (naive, :mod:`flashbob.reference`) taking ``window`` and ``document_ids`` as their dense
+    mask."""
+
+    def attend(q, k, v, *, causal, key_mask, **structured):
+        if not structured:
+            return attention(q, k, v, causal=causal, key_mask=key_mask)
+        from flashbob import masks
+
+        dense = masks.dense(q.shape[2], k.shape[2], device=q.device, **structured)
+        return attention(q, k, v, causal=causal, key_mask=key_mask, attn_mask=dense)
+
+    return attend
+
+
 def derivatives(attention, inputs, do, bars, case, key_mask) -> dict[str, torch.Tensor]:
     """``O``, first derivatives of the inputs that require grad, second derivatives of the chosen ones."""
     wrt_names = case["requires_grad"]
     leaves = [x.detach().requires_grad_(name in wrt_names) for name, x in zip("qkv", inputs)]
-    o = attention(*leaves, causal=case["causal"], key_mask=key_mask)
+    o = attention(*leaves, causal=case["causal"], key_mask=key_mask, **structured_masks(case, do.device))
     wrt = [x for x in leaves if x.requires_grad]
     first = torch.autograd.grad(o, wrt, do, create_graph=True)
     by_name = dict(zip(wrt_names, first))
@@ -273,9 +325,9 @@ def run_case(case: dict, device: str, verbose: bool = False) -> dict:
     bars = [make_tensor(x.shape, case["cotangent_layout"], dtype, device, generator) for x in inputs]
     key_mask = make_key_mask(case, device)
     ours = derivatives(lambda *a, **kw: attention(*a, backend="triton", **kw), inputs, do, bars, case, key_mask)
-    exact = derivatives(reference.attention, [x.double() for x in inputs], do.double(),
-                        [b.double() for b in bars], case, key_mask)
-    eager = derivatives(reference.attention, inputs, do, bars, case, key_mask)
+    naive = with_dense_masks(reference.attention)
+    exact = derivatives(naive, [x.double() for x in inputs], do.double(), [b.double() for b in bars], case, key_mask)
+    eager = derivatives(naive, inputs, do, bars, case, key_mask)
     worst = None
     for name, x in ours.items():
         ours_err, eager_err, finite = errors(x, eager[name], exact[name])
@@ -365,6 +417,9 @@ COVERAGE = {
     "key mask": lambda r: r["masked"],
     "key mask and causal": lambda r: r["masked"] and r["causal"],
     "key mask broadcast over the batch": lambda r: r["key_mask"].startswith("("),
+    "sliding window": lambda r: r["windowed"],
+    "document ids": lambda r: r["documents"],
+    "window and documents": lambda r: r["windowed"] and r["documents"],
     "a batch element with no visible key": lambda r: r["elements_without_keys"] > 0,
     "a batch element with one visible key": lambda r: r["elements_with_one_key"] > 0,
 }
