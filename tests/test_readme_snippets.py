@@ -28,6 +28,7 @@ vec = [torch.randn_like(p) for p in params]
 
 PRELUDES = [
     "",  # the minimal example is whole
+    "import flashbob; q = torch.randn(1, 4, 1024, 16); k, v = torch.randn(1, 2, 1024, 16), torch.randn(1, 2, 1024, 16)",
     "q, k, v = (torch.randn(2, 4, 9, 8) for _ in range(3)); padding = torch.rand(2, 9) > 0.3; padding[:, 0] = True",
     GPT_BATCH,
     """

@@ -72,9 +72,8 @@ def attention_function(name: str) -> AttentionFn:
     if name not in BACKENDS:
         raise ValueError(f"attention must be one of {', '.join((*ATTENTION, *FIRST_ORDER_ATTENTION))}, got {name!r}")
 
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, window=None,
-               document_ids=None) -> torch.Tensor:
-        return flashbob.attention(q, k, v, causal=causal, window=window, document_ids=document_ids, backend=name)
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, **masks) -> torch.Tensor:
+        return flashbob.attention(q, k, v, causal=causal, backend=name, **masks)
 
     return attend
 

@@ -301,9 +301,8 @@ def build(cfg: DictConfig, device: torch.device, autocast: Autocast, ctx: distri
 
     def forward_of(module: torch.nn.Module) -> optimizers.Forward:
         def forward(inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            document_ids = data.document_ids(inputs) if d.pack_documents else None
             with autocast():
-                logits = module(inputs, document_ids)
+                logits = module(inputs, data.document_ids(inputs)) if d.pack_documents else module(inputs)
             return cross_entropy(logits, targets), logits
 
         return forward
