@@ -71,17 +71,18 @@ def select_backend(q: torch.Tensor, backend: BackendName) -> Backend:
     return TRITON[torch.backends.cuda.matmul.allow_tf32]
 
 
-def _block_mask_backend(backend: BackendName) -> Backend:
-    """The backend of a call with a block mask: the blocked one (the kernels do not take block masks), with a
-    warning, once, where ``auto`` chose the kernels; an error where ``triton`` was asked for."""
+def _per_head_block_mask_backend(backend: BackendName) -> Backend:
+    """The backend of a call with a block mask that differs between heads: the blocked one (the kernels take one
+    block mask for all heads), with a warning, once, where ``auto`` chose the kernels; an error where ``triton``
+    was asked for."""
     if backend == "triton":
-        raise ValueError("backend='triton' does not take a block_mask (the kernels do not handle block masks yet); "
-                         "use backend='auto' or 'blocked', or window= / document_ids= where they express the mask")
+        raise ValueError("backend='triton' takes a block_mask that is the same for every head (built with H=None); "
+                         "use backend='auto' or 'blocked' for one per head")
     from flashbob.dropin import FallbackWarning
 
-    warnings.warn("flashbob.attention: the Triton kernels do not take a block_mask yet; running it on the blocked "
-                  "backend (exact, memory linear in the sequence length, slower). window= and document_ids= run "
-                  "in the kernels.", FallbackWarning, stacklevel=3)
+    warnings.warn("flashbob.attention: the Triton kernels take a block_mask that is the same for every head; running "
+                  "this per-head one on the blocked backend (exact, memory linear in the sequence length, slower)",
+                  FallbackWarning, stacklevel=3)
     return BLOCKED
 
 
@@ -119,8 +120,8 @@ def attention(
             part. Masked keys get zero ``dK``, ``dV``.
         block_mask: a ``torch.nn.attention.flex_attention.BlockMask`` (``create_block_mask``) built for ``N``
             queries and ``M`` keys; the result equals ``flex_attention(q, k, v, block_mask=block_mask)``. Its
-            tiles are held with the element-wise mask of the partial ones only. It runs on the blocked backend
-            (exact, memory linear in the sequence length; the kernels do not take it yet).
+            tiles are held with the element-wise mask of the partial ones only. A block mask that differs between
+            heads runs on the blocked backend (the kernels take one for all heads).
 
         The masks combine by AND (:mod:`flashbob.masks`). A query that sees no key at all gets a zero output row
         and zero gradients (never NaN). The passes skip the blocks that no query of a block sees, so the cost
@@ -150,8 +151,8 @@ def attention(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     chosen = select_backend(q, backend)
-    if tile_state is not None and chosen.name == "triton":
-        chosen = _block_mask_backend(backend)
+    if tile_state is not None and tile_state.shape[1] > 1 and chosen.name == "triton":
+        chosen = _per_head_block_mask_backend(backend)
     if torch.compiler.is_compiling():  # traced by torch.compile: its operator, differentiable once
         o, _stats = chosen.forward(q, k, v, key_mask=key_mask, q_ids=q_ids, k_ids=k_ids, tile_state=tile_state,
                                    tile_bits=tile_bits, causal=causal, window=window, scale=float(scale))

@@ -195,6 +195,44 @@ def _tiles(block_mask, n: int, m: int, device) -> tuple[torch.Tensor, torch.Tens
     return state, bits
 
 
+def tile_ranges(tile_state: torch.Tensor, tile_bits: torch.Tensor, n: int, m: int, *,
+                transposed: bool = False) -> torch.Tensor:
+    """``(B, 4, N)`` int32, as :func:`document_ranges`, for a block mask's tiles (one set for all heads:
+    ``tile_state`` ``(B, 1, N tiles, M tiles)``): each query's keys ``[lo, hi)`` from its tile row's first to
+    last non-empty tile, and ``[whole_lo, whole_hi)`` the first run of whole tiles in it; each key's queries
+    with ``transposed`` (``(B, 4, M)``)."""
+    state = tile_state[:, 0]
+    own_size, other_size = tile_bits.shape[1:] if not transposed else tile_bits.shape[1:][::-1]
+    own_length, other_length = (m, n) if transposed else (n, m)
+    if transposed:
+        state = state.transpose(1, 2)
+    tiles = torch.arange(state.shape[-1], device=state.device)
+    seen = state != EMPTY
+    present = seen.any(dim=-1)
+    first = torch.where(seen, tiles, state.shape[-1]).amin(dim=-1)
+    last = torch.where(seen, tiles, -1).amax(dim=-1)
+    whole = state == WHOLE
+    whole_first = torch.where(whole, tiles, state.shape[-1]).amin(dim=-1)
+    after = tiles >= whole_first[..., None]
+    run = torch.cumprod(torch.where(after, whole, True).int(), dim=-1) * after
+    whole_end = whole_first + run.sum(dim=-1)
+    lo = torch.where(present, first * other_size, 0)
+    hi = torch.where(present, ((last + 1) * other_size).clamp(max=other_length), 0)
+    has_whole = whole.any(dim=-1)
+    whole_lo = torch.where(has_whole, whole_first * other_size, lo)
+    whole_hi = torch.where(has_whole, (whole_end * other_size).clamp(max=other_length), lo)
+    ranges = torch.stack((lo, hi, whole_lo, whole_hi), dim=1).repeat_interleave(own_size, dim=-1)
+    return ranges[..., :own_length].to(torch.int32).contiguous()
+
+
+def intersect_ranges(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    """The ranges (``(B, 4, L)``, :func:`document_ranges`) that both allow."""
+    if a is None or b is None:
+        return a if b is None else b
+    return torch.stack((torch.maximum(a[:, 0], b[:, 0]), torch.minimum(a[:, 1], b[:, 1]),
+                        torch.maximum(a[:, 2], b[:, 2]), torch.minimum(a[:, 3], b[:, 3])), dim=1).contiguous()
+
+
 @dataclass(frozen=True)
 class Mask:
     """The masks of one attention call over ``n`` queries and ``m`` keys, as the blocked backend evaluates them on

@@ -2,10 +2,12 @@
 interpreter cannot show (its pipeliner, its tensor-descriptor lowering).
 
     TRITON_INTERPRET=0 python tests/compile_sm90.py ENTRY ... [--n N] [--m M] [--heads H] [--kv-heads HKV] [--causal]
+        [--masks]
 
 Each ENTRY (``forward``, ``backward``, ``bob``, ``forward_jvp``, ``backward_jvp``) is called on CPU tensors while a
 stand-in driver reports an sm_90 target and every launch only compiles (Triton's ``warmup``), so that every kernel
-the entry launches goes through Triton's whole CUDA pipeline down to ptxas. Prints one line per entry, ``ok`` or
+the entry launches goes through Triton's whole CUDA pipeline down to ptxas. ``--masks`` adds every other mask at once
+(a window, document ids, a key mask and a block mask's tiles), so that their code compiles too. Prints one line per entry, ``ok`` or
 ``FAILED`` with the error; exits 1 if any failed. ``FLASHBOB_KERNEL_VARIANT`` picks the code path as usual.
 """
 
@@ -52,14 +54,28 @@ def compile_only() -> None:
     JITFunction.run = warmup
 
 
-def entries(n: int, m: int, heads: int, kv_heads: int, causal: bool, dtype: torch.dtype, head_dim: int = 64):
+def mask_flags(n: int, m: int) -> dict:
+    """A window, document ids, a key mask and a block mask's tiles for ``n`` queries and ``m`` keys."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from flashbob import masks
+
+    block_mask = create_block_mask(lambda b, h, i, j: (i + j) % 3 != 0, None, None, n, m, device="cpu",
+                                   BLOCK_SIZE=(16, 16))
+    tile_state, tile_bits = masks._tiles(block_mask, n, m, "cpu")
+    return {"window": (5, 3), "q_ids": torch.arange(n)[None] // 7, "k_ids": torch.arange(m)[None] // 5,
+            "key_mask": torch.arange(m)[None] % 4 != 1, "tile_state": tile_state, "tile_bits": tile_bits}
+
+
+def entries(n: int, m: int, heads: int, kv_heads: int, causal: bool, dtype: torch.dtype, head_dim: int = 64,
+            with_masks: bool = False):
     """Each entry point of flashbob.kernels as a call on random CPU tensors of these sizes."""
     from flashbob import kernels
 
     q, do, o, q_bar = (torch.randn(1, heads, n, head_dim).to(dtype) for _ in range(4))
     k, v, k_bar, v_bar = (torch.randn(1, kv_heads, m, head_dim).to(dtype) for _ in range(4))
     stats, delta = torch.zeros(1, heads, 2, n), torch.zeros(1, heads, n)
-    flags = {"causal": causal, "scale": head_dim**-0.5}
+    flags = {"causal": causal, "scale": head_dim**-0.5, **(mask_flags(n, m) if with_masks else {})}
     return {
         "forward": lambda: kernels.forward(q, k, v, **flags),
         "backward": lambda: kernels.backward(q, k, v, o, stats, do, **flags),
@@ -77,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=1)
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--masks", action="store_true", help="a window, documents, a key mask and a block mask too")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     args = parser.parse_args(argv)
 
@@ -85,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     from flashbob.kernels import configs
 
     configs.descriptors_usable = lambda tensors: bool(tensors)  # as on an sm_90 GPU with aligned operands
-    calls = entries(args.n, args.m, args.heads, args.kv_heads, args.causal, getattr(torch, args.dtype))
+    calls = entries(args.n, args.m, args.heads, args.kv_heads, args.causal, getattr(torch, args.dtype),
+                    with_masks=args.masks)
     failed = 0
     for name in args.entries:
         try:

@@ -1,6 +1,6 @@
-"""Sliding windows and packed documents (``window=``, ``document_ids=``) in both backends: every pass (forward,
-backward, the four BoB outputs, both tangents) against the float64 materialising oracle with the equivalent dense
-mask, on random shapes and combinations of masks; gradcheck, gradgradcheck and forward AD through
+"""Sliding windows, packed documents and block masks (``window=``, ``document_ids=``, ``block_mask=``) in both
+backends: every pass (forward, backward, the four BoB outputs, both tangents) against the float64 materialising
+oracle with the equivalent dense mask, on random shapes and combinations of masks; gradcheck, gradgradcheck and forward AD through
 flashbob.attention; and the checks of bad masks."""
 
 import pytest
@@ -32,9 +32,17 @@ SHAPES = [(2, 4, 2, 45, 45, 16), (1, 2, 1, 33, 50, 16), (2, 2, 2, 50, 21, 32)]
 
 def mask_cases(gen, batch, n, m):
     """Masks as keyword arguments of flashbob.attention, every kind and combinations of them."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
     self_attention = n == m
     runs = random_ids(gen, batch, n, 4) if self_attention else None
     return {
+        "block_mask": dict(block_mask=create_block_mask(lambda b, h, i, j: (j < 2) | ((i - j).abs() <= 5), batch,
+                                                        None, n, m, device="cpu", BLOCK_SIZE=(16, 8))),
+        "block_mask_and_documents": dict(
+            causal=True, document_ids=(random_ids(gen, batch, n, 3), random_ids(gen, batch, m, 3)),
+            block_mask=create_block_mask(lambda b, h, i, j: (i + 2 * j) % 5 != 0, batch, None, n, m, device="cpu",
+                                         BLOCK_SIZE=(32, 16))),
         "window": dict(window=(5, 3)),
         "causal_window": dict(causal=True, window=(7, None)),
         "window_zero": dict(window=(0, 0)),
@@ -50,14 +58,15 @@ def mask_cases(gen, batch, n, m):
     }
 
 
-def pass_options(kwargs):
+def pass_options(kwargs, q, k):
     """flashbob.attention's mask arguments as a backend pass takes them."""
     document_ids = kwargs.get("document_ids")
     if isinstance(document_ids, torch.Tensor):
         document_ids = (document_ids, document_ids)
     q_ids, k_ids = document_ids if document_ids is not None else (None, None)
+    tile_state, tile_bits = masks.block_tiles(kwargs.get("block_mask"), q, k)
     return dict(causal=kwargs.get("causal", False), window=kwargs.get("window"), key_mask=kwargs.get("key_mask"),
-                q_ids=q_ids, k_ids=k_ids)
+                q_ids=q_ids, k_ids=k_ids, tile_state=tile_state, tile_bits=tile_bits)
 
 
 def oracle(t, dense, scale):
@@ -119,13 +128,13 @@ def check_case(gen, backend, case, batch, heads, kv_heads, n, m, head_dim, confi
          .to(device=device, dtype=dtype) for name in names}
     scale = head_dim ** -0.5
     kwargs = mask_cases(gen, batch, n, m)[case]
-    kwargs = {key: value.to(device) if isinstance(value, torch.Tensor) else
+    kwargs = {key: value.to(device) if isinstance(value, torch.Tensor) or key == "block_mask" else
               tuple(x.to(device) for x in value) if key == "document_ids" else value
               for key, value in kwargs.items()}
     dense = masks.dense(n, m, device=device, **kwargs)
     expected = oracle(t, dense, scale)
     with configs.override(block_m=16, block_n=16):
-        got = every_pass(backends()[backend], t, pass_options(kwargs), scale)
+        got = every_pass(backends()[backend], t, pass_options(kwargs, t["q"], t["k"]), scale)
     for name, value in expected.items():
         error = (got[name].double() - value).abs().max().item()
         scale_of = max(1.0, value.abs().max().item())
@@ -283,8 +292,9 @@ def test_bad_block_masks_and_flex_arguments_get_clear_errors():
         flashbob.flex_attention(q, k, k, score_mod=lambda score, b, h, q, kv: score, block_mask=small)
     with pytest.raises(ValueError, match="enable_gqa=True"):
         flashbob.flex_attention(q, k, k, block_mask=small)
-    with pytest.raises(ValueError, match="backend='triton' does not take a block_mask"):
-        flashbob.attention(q, k, k, block_mask=small, backend="triton")
+    per_head = create_block_mask(lambda b, h, q, kv: q >= kv + h, None, 2, 32, 32, device="cpu")
+    with pytest.raises(ValueError, match="backend='triton' takes a block_mask that is the same for every head"):
+        flashbob.attention(q, k, k, block_mask=per_head, backend="triton")
 
 
 def test_patch_flex_attention_routes_torch_calls_without_score_mod(gen):

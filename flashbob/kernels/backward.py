@@ -34,9 +34,10 @@ def _delta_kernel(
 @triton.jit
 def _dkdv_inner(
     dk, dv, k, v, q_src, do_src, stats_base, delta_base, stride_qn, stride_don, keys, start, end, N, qk_scale,
-    lo, hi, key_ids, q_ids_base, key_mask_base, M,
+    lo, hi, key_ids, q_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, M,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-    PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
+    PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr,
+    TILE_COLS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r"""Add query rows ``[start, end)`` of one query head to a key block's
     :math:`dV_j = \sum_i P_{ij}\, dO_i` and :math:`dK_j / \tau = \sum_i dS_{ij}\, Q_i`, with
@@ -49,8 +50,8 @@ def _dkdv_inner(
         row_max, log_sum = common.load_softmax_stats(stats_base, rows, N)
         delta = common.load_rows(delta_base, rows, N)
         p_t = common.probabilities_transposed(k, q, row_max, log_sum, rows, keys, N, M, qk_scale, lo, hi, key_ids,
-                                              q_ids_base, key_mask_base, MASKED=MASKED, PRECISION=PRECISION,
-                                              DOCUMENTS=DOCUMENTS, HAS_KEY_MASK=HAS_KEY_MASK)
+                                              q_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED=MASKED, PRECISION=PRECISION,
+                                              DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS, HAS_KEY_MASK=HAS_KEY_MASK)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -64,9 +65,11 @@ def _dkdv_kernel(
     DK, DV,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-    STATS, DELTA, KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right, heads, kv_heads, group, N, M, qk_scale,
+    STATS, DELTA, KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, TILE_BITS,
+    query_tiles, key_tiles, heads, kv_heads, group, N, M, qk_scale,
     scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BAND: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    BAND: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr,
+    TILE_COLS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     TMA: tl.constexpr,
 ):
     r""":math:`dK = \tau\, dS^\top Q` and :math:`dV = P^\top dO` of one key block of one kv head,
@@ -87,8 +90,9 @@ def _dkdv_kernel(
     k = common.load_block(k_src, start_n, keys, M, stride_kn, HEAD_DIM, BLOCK_D, TMA)
     v = common.load_block(v_src, start_n, keys, M, stride_vn, HEAD_DIM, BLOCK_D, TMA)
 
-    lo, hi, key_ids, q_ids_base, start, whole_start, whole_end, end = common.column_masks(
-        keys, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, BLOCK_M, BAND, DOCUMENTS)
+    lo, hi, key_ids, q_ids_base, tiles_base, start, whole_start, whole_end, end = common.column_masks(
+        keys, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
+    key_tiles, BLOCK_M, BAND, DOCUMENTS, TILES)
     for member in tl.range(group, num_stages=1):  # never pipelined: common.group_query_head
         _, _, q_base, do_base, stats_base, delta_base = common.group_query_head(
             Q, DO, STATS, DELTA, batch, heads, kv_head, group, member, N, stride_qb, stride_qh, stride_dob, stride_doh)
@@ -96,18 +100,18 @@ def _dkdv_kernel(
         do_src = common.tile_source(do_base, N, stride_don, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_src, do_src, stats_base, delta_base, stride_qn, stride_don, keys, start, whole_start, N,
-            qk_scale, lo, hi, key_ids, q_ids_base, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION,
-            DOCUMENTS, HAS_KEY_MASK, TMA,
+            qk_scale, lo, hi, key_ids, q_ids_base, key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION,
+            DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
         )
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_src, do_src, stats_base, delta_base, stride_qn, stride_don, keys, whole_start, whole_end,
-            N, qk_scale, lo, hi, key_ids, q_ids_base, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, False, PRECISION,
-            DOCUMENTS, HAS_KEY_MASK, TMA,
+            N, qk_scale, lo, hi, key_ids, q_ids_base, key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M, False, PRECISION,
+            DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
         )
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_src, do_src, stats_base, delta_base, stride_qn, stride_don, keys, whole_end, end, N,
-            qk_scale, lo, hi, key_ids, q_ids_base, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION,
-            DOCUMENTS, HAS_KEY_MASK, TMA,
+            qk_scale, lo, hi, key_ids, q_ids_base, key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION,
+            DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
         )
 
     common.store_head_block(DK, dk * scale, batch, kv_head, stride_dkb, stride_dkh, start_n, keys, M, stride_dkn,
@@ -119,8 +123,9 @@ def _dkdv_kernel(
 @triton.jit
 def _dq_inner(
     dq, q, do, row_max, log_sum, delta, k_src, v_src, stride_kn, stride_vn, start, end, M, qk_scale, lo, hi, row_ids,
-    k_ids_base, key_mask_base, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    k_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr,
+    TILE_COLS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     TMA: tl.constexpr,
 ):
     r"""Add key blocks ``[start, end)`` to a query block's :math:`dQ_i / \tau = \sum_j dS_{ij} K_j`
@@ -131,7 +136,7 @@ def _dq_inner(
         k = common.load_block(k_src, start_n, keys, M, stride_kn, HEAD_DIM, BLOCK_D, TMA)
         v = common.load_block(v_src, start_n, keys, M, stride_vn, HEAD_DIM, BLOCK_D, TMA)
         p = common.probabilities(q, k, row_max, log_sum, keys, M, qk_scale, lo, hi, row_ids, k_ids_base,
-                                 key_mask_base, MASKED=MASKED, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS,
+                                 key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED=MASKED, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS,
                                  HAS_KEY_MASK=HAS_KEY_MASK)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
@@ -145,9 +150,11 @@ def _dq_kernel(
     DQ,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don, stride_ob, stride_oh, stride_on, stride_dqb, stride_dqh, stride_dqn,
-    STATS, DELTA, KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right, heads, group, N, M, qk_scale, scale,
+    STATS, DELTA, KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, TILE_BITS,
+    query_tiles, key_tiles, heads, group, N, M, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BAND: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    BAND: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr,
+    TILE_COLS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     TMA: tl.constexpr,
 ):
     r""":math:`dQ = \tau\, dS K` of one query block, key blocks split as in the forward (and ``TMA`` as there);
@@ -171,21 +178,22 @@ def _dq_kernel(
     row_max, log_sum = common.load_softmax_stats(common.softmax_stats_pointer(STATS, batch_head, N), rows, N)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
 
-    lo, hi, row_ids, k_ids_base, start, whole_start, whole_end, end = common.row_masks(
-        rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, BLOCK_N, BAND, DOCUMENTS)
+    lo, hi, row_ids, k_ids_base, tiles_base, start, whole_start, whole_end, end = common.row_masks(
+        rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
+    key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
     dq = _dq_inner(
         dq, q, do, row_max, log_sum, delta, k_src, v_src, stride_kn, stride_vn, start, whole_start, M, qk_scale, lo,
-        hi, row_ids, k_ids_base, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, DOCUMENTS, HAS_KEY_MASK,
+        hi, row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK,
         TMA,
     )
     dq = _dq_inner(
         dq, q, do, row_max, log_sum, delta, k_src, v_src, stride_kn, stride_vn, whole_start, whole_end, M, qk_scale,
-        lo, hi, row_ids, k_ids_base, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION, DOCUMENTS,
+        lo, hi, row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
         HAS_KEY_MASK, TMA,
     )
     dq = _dq_inner(
         dq, q, do, row_max, log_sum, delta, k_src, v_src, stride_kn, stride_vn, whole_end, end, M, qk_scale, lo, hi,
-        row_ids, k_ids_base, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, DOCUMENTS, HAS_KEY_MASK,
+        row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK,
         TMA,
     )
     common.store_head_block(DQ, dq * scale, batch, head, stride_dqb, stride_dqh, start_m, rows, N, stride_dqn, HEAD_DIM,
@@ -229,7 +237,7 @@ def backward(
     common.check_qkv(q, k, v)
     common.check_shaped_like(("o", o, q), ("do", do, q))
     masks = common.KernelMasks(q, k, causal=causal, window=window, key_mask=key_mask, q_ids=q_ids, k_ids=k_ids,
-                               tile_state=tile_state)
+                               tile_state=tile_state, tile_bits=tile_bits)
     q, k, v, o, do = (common.operand(x, q) for x in (q, k, v, o, do))
     batch, heads, n, head_dim = q.shape
     kv_heads, m = k.shape[1], k.shape[2]

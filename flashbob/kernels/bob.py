@@ -26,9 +26,10 @@ from . import common, configs
 @triton.jit
 def _bob_tile(
     q, k, v, do, u_bar, w_bar, z_bar, row_max, log_sum, delta, rows, keys, N, M, qk_scale, scale, lo, hi, own_ids,
-    other_ids_base, key_mask_base, TRANSPOSED: tl.constexpr, MASKED: tl.constexpr, WITH_DO: tl.constexpr,
+    other_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, TRANSPOSED: tl.constexpr, MASKED: tl.constexpr, WITH_DO: tl.constexpr,
     HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr, PRECISION: tl.constexpr,
-    DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr,
+    TILE_COLS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
     r"""The tiles every sweep recomputes, for query rows ``rows`` and keys ``keys``:
 
@@ -45,11 +46,11 @@ def _bob_tile(
     """
     if TRANSPOSED:
         p = common.probabilities_transposed(k, q, row_max, log_sum, rows, keys, N, M, qk_scale, lo, hi, own_ids,
-                                            other_ids_base, key_mask_base, MASKED=MASKED, PRECISION=PRECISION,
-                                            DOCUMENTS=DOCUMENTS, HAS_KEY_MASK=HAS_KEY_MASK)
+                                            other_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED=MASKED, PRECISION=PRECISION,
+                                            DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS, HAS_KEY_MASK=HAS_KEY_MASK)
     else:
         p = common.probabilities(q, k, row_max, log_sum, keys, M, qk_scale, lo, hi, own_ids, other_ids_base,
-                                 key_mask_base, MASKED=MASKED, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS,
+                                 key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED=MASKED, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS,
                                  HAS_KEY_MASK=HAS_KEY_MASK)
     dp, dp_centered, a_bar, b_bar = p, p, p, p
     if WITH_DO:
@@ -136,9 +137,10 @@ def _do_bar_step(
 def _rows_inner(
     acc, a, c, q, do, u_bar, row_max, log_sum, delta, k_src, v_src, w_bar_src, z_bar_src,
     stride_kn, stride_vn, stride_wn, stride_zn, rows, start, end, N, M, qk_scale, scale, lo, hi, row_ids,
-    k_ids_base, key_mask_base, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    k_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr,
-    PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, SWEEP: tl.constexpr,
+    PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr,
+    TILE_COLS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, SWEEP: tl.constexpr,
     TMA: tl.constexpr,
 ):
     r"""Add key blocks ``[start, end)`` to a query block's row sweep ``SWEEP``: the scalars ``a, c``
@@ -154,9 +156,9 @@ def _rows_inner(
                                                     HAS_DV_BAR, TMA)
         p, dp, dp_centered, a_bar, b_bar = _bob_tile(
             q, k, v, do, u_bar, w_bar, z_bar, row_max, log_sum, delta, rows, keys, N, M, qk_scale, scale, lo, hi,
-            row_ids, k_ids_base, key_mask_base, TRANSPOSED=False, MASKED=MASKED, WITH_DO=SWEEP != "bob_do_bar",
+            row_ids, k_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, TRANSPOSED=False, MASKED=MASKED, WITH_DO=SWEEP != "bob_do_bar",
             HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR, HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION,
-            DOCUMENTS=DOCUMENTS, HAS_KEY_MASK=HAS_KEY_MASK,
+            DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS, HAS_KEY_MASK=HAS_KEY_MASK,
         )
         if SWEEP == "bob_scalars":
             a, c = _scalars_step(a, c, p, dp_centered, a_bar, b_bar, HAS_A_BAR=has_a_bar, HAS_DV_BAR=HAS_DV_BAR)
@@ -176,11 +178,13 @@ def _bob_rows_kernel(
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don, stride_ub, stride_uh, stride_un, stride_wb, stride_wh, stride_wn,
     stride_zb, stride_zh, stride_zn, stride_outb, stride_outh, stride_outn,
-    STATS, DELTA, A, C, KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right, heads, group, N, M, qk_scale,
+    STATS, DELTA, A, C, KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, TILE_BITS,
+    query_tiles, key_tiles, heads, group, N, M, qk_scale,
     scale, SWEEP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BAND: tl.constexpr, HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr,
-    PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
+    PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr,
+    TILE_COLS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r"""One query block of the row sweep ``SWEEP`` (:func:`_rows_inner`), key blocks split as in the
     forward (:func:`~flashbob.kernels.common.row_masks`: blocks no query sees skipped, partly seen ones masked):
@@ -210,8 +214,9 @@ def _bob_rows_kernel(
     row_max, log_sum = common.load_softmax_stats(common.softmax_stats_pointer(STATS, batch_head, N), rows, N)
     delta = common.load_rows(common.row_vector_pointer(DELTA, batch_head, N), rows, N)
     acc_dtype = DELTA.dtype.element_ty
-    lo, hi, row_ids, k_ids_base, start, whole_start, whole_end, end = common.row_masks(
-        rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, BLOCK_N, BAND, DOCUMENTS)
+    lo, hi, row_ids, k_ids_base, tiles_base, start, whole_start, whole_end, end = common.row_masks(
+        rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
+    key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
 
     if SWEEP == "bob_scalars":
         a = tl.zeros([BLOCK_M], dtype=acc_dtype)
@@ -223,19 +228,19 @@ def _bob_rows_kernel(
     acc, a, c = _rows_inner(
         acc, a, c, q, do, u_bar, row_max, log_sum, delta, k_src, v_src, w_bar_src, z_bar_src, stride_kn, stride_vn,
         stride_wn, stride_zn, rows, start, whole_start, N, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
-        key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, DOCUMENTS,
+        key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
         HAS_KEY_MASK, SWEEP, TMA,
     )
     acc, a, c = _rows_inner(
         acc, a, c, q, do, u_bar, row_max, log_sum, delta, k_src, v_src, w_bar_src, z_bar_src, stride_kn, stride_vn,
         stride_wn, stride_zn, rows, whole_start, whole_end, N, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
-        key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, DOCUMENTS,
+        key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
         HAS_KEY_MASK, SWEEP, TMA,
     )
     acc, a, c = _rows_inner(
         acc, a, c, q, do, u_bar, row_max, log_sum, delta, k_src, v_src, w_bar_src, z_bar_src, stride_kn, stride_vn,
         stride_wn, stride_zn, rows, whole_end, end, N, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
-        key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, DOCUMENTS,
+        key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
         HAS_KEY_MASK, SWEEP, TMA,
     )
 
@@ -257,10 +262,11 @@ def _bob_rows_kernel(
 def _columns_inner(
     k_bar, v_bar, k, v, w_bar, z_bar,
     q_src, do_src, u_bar_src, stats_base, delta_base, a_base, c_base, stride_qn, stride_don, stride_un,
-    keys, start, end, N, qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, M,
+    keys, start, end, N, qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, M,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
     HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr, PRECISION: tl.constexpr,
-    DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
+    DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr,
+    TILE_COLS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r"""Sweep ``bob_cols``: add query rows ``[start, end)`` of one query head to a key block's
 
@@ -283,8 +289,8 @@ def _columns_inner(
         c = common.load_rows(c_base, rows, N)
         p_t, dp_t, dp_centered_t, a_bar_t, b_bar_t = _bob_tile(
             q, k, v, do, u_bar, w_bar, z_bar, row_max, log_sum, delta, rows, keys, N, M, qk_scale, scale, lo, hi,
-            key_ids, q_ids_base, key_mask_base, TRANSPOSED=True, MASKED=MASKED, WITH_DO=True, HAS_DQ_BAR=HAS_DQ_BAR,
-            HAS_DK_BAR=HAS_DK_BAR, HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS,
+            key_ids, q_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, TRANSPOSED=True, MASKED=MASKED, WITH_DO=True, HAS_DQ_BAR=HAS_DQ_BAR,
+            HAS_DK_BAR=HAS_DK_BAR, HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS,
             HAS_KEY_MASK=HAS_KEY_MASK,
         )
         g_s_t = tl.zeros_like(p_t) - c[None, :]
@@ -308,10 +314,12 @@ def _bob_columns_kernel(
     stride_dob, stride_doh, stride_don,
     stride_ub, stride_uh, stride_un, stride_wb, stride_wh, stride_wn, stride_zb, stride_zh, stride_zn,
     stride_kbb, stride_kbh, stride_kbn, stride_vbb, stride_vbh, stride_vbn,
-    STATS, DELTA, A, C, KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right, heads, kv_heads, group, N, M,
+    STATS, DELTA, A, C, KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, TILE_BITS,
+    query_tiles, key_tiles, heads, kv_heads, group, N, M,
     qk_scale, scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BAND: tl.constexpr, HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr,
-    PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
+    PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr,
+    TILE_COLS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r"""Sweep ``bob_cols`` for one key block of one kv head: :math:`\bar K = \tau (G_S^\top Q + dS^\top \bar U)`
     and :math:`\bar V = G_{dP}^\top dO`, summed over the ``group`` query heads sharing it
@@ -330,8 +338,9 @@ def _bob_columns_kernel(
                                                 stride_vn, stride_wn, stride_zn, HEAD_DIM, BLOCK_D, HAS_DK_BAR,
                                                 HAS_DV_BAR, TMA)
 
-    lo, hi, key_ids, q_ids_base, start, whole_start, whole_end, end = common.column_masks(
-        keys, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, BLOCK_M, BAND, DOCUMENTS)
+    lo, hi, key_ids, q_ids_base, tiles_base, start, whole_start, whole_end, end = common.column_masks(
+        keys, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
+    key_tiles, BLOCK_M, BAND, DOCUMENTS, TILES)
     for member in tl.range(group, num_stages=1):  # never pipelined: common.group_query_head
         head, batch_head, q_base, do_base, stats_base, delta_base = common.group_query_head(
             Q, DO, STATS, DELTA, batch, heads, kv_head, group, member, N, stride_qb, stride_qh, stride_dob, stride_doh)
@@ -344,20 +353,20 @@ def _bob_columns_kernel(
         k_bar, v_bar = _columns_inner(
             k_bar, v_bar, k, v, w_bar, z_bar, q_src, do_src, u_bar_src, stats_base, delta_base, a_base, c_base,
             stride_qn, stride_don, stride_un, keys, start, whole_start, N, qk_scale, scale, lo, hi, key_ids, q_ids_base,
-            key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, MASKED=True, HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR,
-            HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, HAS_KEY_MASK=HAS_KEY_MASK, TMA=TMA,
+            key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M, MASKED=True, HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR,
+            HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS, HAS_KEY_MASK=HAS_KEY_MASK, TMA=TMA,
         )
         k_bar, v_bar = _columns_inner(
             k_bar, v_bar, k, v, w_bar, z_bar, q_src, do_src, u_bar_src, stats_base, delta_base, a_base, c_base,
             stride_qn, stride_don, stride_un, keys, whole_start, whole_end, N, qk_scale, scale, lo, hi, key_ids, q_ids_base,
-            key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, MASKED=False, HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR,
-            HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, HAS_KEY_MASK=HAS_KEY_MASK, TMA=TMA,
+            key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M, MASKED=False, HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR,
+            HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS, HAS_KEY_MASK=HAS_KEY_MASK, TMA=TMA,
         )
         k_bar, v_bar = _columns_inner(
             k_bar, v_bar, k, v, w_bar, z_bar, q_src, do_src, u_bar_src, stats_base, delta_base, a_base, c_base,
             stride_qn, stride_don, stride_un, keys, whole_end, end, N, qk_scale, scale, lo, hi, key_ids, q_ids_base,
-            key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, MASKED=True, HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR,
-            HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, HAS_KEY_MASK=HAS_KEY_MASK, TMA=TMA,
+            key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M, MASKED=True, HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR,
+            HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS, HAS_KEY_MASK=HAS_KEY_MASK, TMA=TMA,
         )
 
     common.store_head_block(K_BAR, k_bar * scale, batch, kv_head, stride_kbb, stride_kbh, start_n, keys, M, stride_kbn,
@@ -406,7 +415,7 @@ def bob(
     if dq_bar is None and dk_bar is None and dv_bar is None:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(do)
     masks = common.KernelMasks(q, k, causal=causal, window=window, key_mask=key_mask, q_ids=q_ids, k_ids=k_ids,
-                               tile_state=tile_state)
+                               tile_state=tile_state, tile_bits=tile_bits)
     q, k, v, do = (common.operand(x, q) for x in (q, k, v, do))
     batch, heads, n, head_dim = q.shape
     kv_heads, m = k.shape[1], k.shape[2]

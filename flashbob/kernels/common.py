@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from flashbob.inputs import accumulator_dtype, check_inputs, check_triton_limits
-from flashbob.masks import band, document_ranges
+from flashbob.masks import band, document_ranges, intersect_ranges, tile_ranges
 
 from . import tracing
 
@@ -195,13 +195,13 @@ def ranges_pointer(RANGES, batch, length):
 
 
 @triton.jit
-def visible_ranges(own, n_own, n_other, before, after, ranges_base, BAND: tl.constexpr, DOCUMENTS: tl.constexpr):
+def visible_ranges(own, n_own, n_other, before, after, ranges_base, BAND: tl.constexpr, RANGED: tl.constexpr):
     r"""For each position ``own`` of a program's block (its queries in a row kernel, its keys in a column kernel):
     the range ``[lo, hi)`` of the other axis that it may see, and ``[whole_lo, whole_hi)``, where it sees every
     position. The band lets position :math:`x` see :math:`[x - \text{before}, x + \text{after}]` (a row kernel
-    passes the window's ``(left, right)``, a column kernel ``(right, left)``); the documents
-    (``ranges_base``: :func:`ranges_pointer`) narrow both ranges to the hull of the position's document and to
-    the part of it that is one run."""
+    passes the window's ``(left, right)``, a column kernel ``(right, left)``); with ``RANGED``, the ranges at
+    ``ranges_base`` (:func:`ranges_pointer`; documents' and a block mask's tiles', intersected on the host) narrow
+    both."""
     lo = tl.zeros_like(own)
     hi = tl.zeros_like(own) + n_other
     if BAND:
@@ -209,7 +209,7 @@ def visible_ranges(own, n_own, n_other, before, after, ranges_base, BAND: tl.con
         hi = tl.minimum(own + after + 1, n_other)
     whole_lo = lo
     whole_hi = hi
-    if DOCUMENTS:
+    if RANGED:
         valid = own < n_own
         lo = tl.maximum(lo, tl.load(ranges_base + own, mask=valid, other=0))
         hi = tl.minimum(hi, tl.load(ranges_base + n_own + own, mask=valid, other=0))
@@ -252,39 +252,78 @@ def own_ids(IDS, batch, own, n_own, DOCUMENTS: tl.constexpr):
 
 
 @triton.jit
-def row_masks(rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, BLOCK_N: tl.constexpr,
-              BAND: tl.constexpr, DOCUMENTS: tl.constexpr):
+def row_masks(rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
+              key_tiles, BLOCK_N: tl.constexpr, BAND: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr):
     """A row kernel's masks for its query ``rows``: each row's visible keys ``[lo, hi)``, the rows' document ids,
-    the start of the keys' ids, and its loop over the keys, :func:`sweep_bounds`."""
+    the start of the keys' ids and of this batch element's tiles (:func:`tile_visible`), and its loop over the
+    keys, :func:`sweep_bounds`."""
     lo, hi, whole_lo, whole_hi = visible_ranges(rows, N, M, window_left, window_right, ranges_pointer(RANGES, batch, N),
-                                                BAND, DOCUMENTS)
+                                                BAND, DOCUMENTS or TILES)
     start, whole_start, whole_end, end = sweep_bounds(rows, N, M, lo, hi, whole_lo, whole_hi, BLOCK_N, False)
-    return lo, hi, own_ids(IDS_Q, batch, rows, N, DOCUMENTS), IDS_K + batch.to(tl.int64) * M, start, whole_start, \
-        whole_end, end
+    return lo, hi, own_ids(IDS_Q, batch, rows, N, DOCUMENTS), IDS_K + batch.to(tl.int64) * M, \
+        tiles_pointer(TILE_STATE, batch, query_tiles, key_tiles), start, whole_start, whole_end, end
 
 
 @triton.jit
-def column_masks(keys, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, BLOCK_M: tl.constexpr,
-                 BAND: tl.constexpr, DOCUMENTS: tl.constexpr):
+def column_masks(keys, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
+                 key_tiles, BLOCK_M: tl.constexpr, BAND: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr):
     """A column kernel's masks for its ``keys``: each key's visible queries ``[lo, hi)``, the keys' document ids,
-    the start of the queries' ids, and its loop over the queries, :func:`sweep_bounds`."""
+    the start of the queries' ids and of this batch element's tiles, and its loop over the queries,
+    :func:`sweep_bounds`."""
     lo, hi, whole_lo, whole_hi = visible_ranges(keys, M, N, window_right, window_left, ranges_pointer(RANGES, batch, M),
-                                                BAND, DOCUMENTS)
+                                                BAND, DOCUMENTS or TILES)
     start, whole_start, whole_end, end = sweep_bounds(keys, M, N, lo, hi, whole_lo, whole_hi, BLOCK_M, True)
-    return lo, hi, own_ids(IDS_K, batch, keys, M, DOCUMENTS), IDS_Q + batch.to(tl.int64) * N, start, whole_start, \
-        whole_end, end
+    return lo, hi, own_ids(IDS_K, batch, keys, M, DOCUMENTS), IDS_Q + batch.to(tl.int64) * N, \
+        tiles_pointer(TILE_STATE, batch, query_tiles, key_tiles), start, whole_start, whole_end, end
 
 
 @triton.jit
-def visible(other, n_other, lo, hi, ids, other_ids_base, DOCUMENTS: tl.constexpr):
-    """``(own, other)`` booleans of a tile, True where the program's position sees the other axis' position
-    ``other``: inside its range ``[lo, hi)`` (:func:`visible_ranges`) and, with documents, of its document
-    (``ids``; the other side's ids start at ``other_ids_base``). Row kernels' tiles are queries by keys, column
-    kernels' keys by queries. The key-padding mask is applied apart (:func:`kept_keys`)."""
+def tiles_pointer(TILE_STATE, batch, query_tiles, key_tiles):
+    """Start of one batch element's ``(query_tiles, key_tiles)`` tile states (:func:`flashbob.masks.block_tiles`)."""
+    return TILE_STATE + batch.to(tl.int64) * query_tiles * key_tiles
+
+
+@triton.jit
+def tile_visible(queries, keys, tiles_base, tile_bits, query_tiles, key_tiles, TILE_ROWS: tl.constexpr,
+                 TILE_COLS: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """A block mask's ``(queries, keys)`` booleans (``(keys, queries)`` when ``TRANSPOSED``): True where the
+    tile of ``(i, j)`` is whole, or partial with its bit set in ``tile_bits`` ``(partial tiles, TILE_ROWS,
+    TILE_COLS)`` (:func:`flashbob.masks.block_tiles`; -2 whole, -1 empty, else the partial tile's index)."""
+    if TRANSPOSED:
+        i = queries[None, :]
+        j = keys[:, None]
+    else:
+        i = queries[:, None]
+        j = keys[None, :]
+    query_tile = tl.minimum(i // TILE_ROWS, query_tiles - 1)
+    key_tile = tl.minimum(j // TILE_COLS, key_tiles - 1)
+    state = tl.load(tiles_base + query_tile * key_tiles + key_tile)
+    partial = state >= 0
+    offset = state.to(tl.int64) * (TILE_ROWS * TILE_COLS) + (i % TILE_ROWS) * TILE_COLS + j % TILE_COLS
+    bits = tl.load(tile_bits + tl.where(partial, offset, 0), mask=partial, other=0)
+    return (state == -2) | (bits != 0)
+
+
+@triton.jit
+def visible(other, n_other, lo, hi, ids, other_ids_base, own, tiles_base, tile_bits, query_tiles, key_tiles,
+            DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr, TILE_COLS: tl.constexpr,
+            TRANSPOSED: tl.constexpr):
+    """``(own, other)`` booleans of a tile, True where the program's position ``own`` sees the other axis' position
+    ``other``: inside its range ``[lo, hi)`` (:func:`visible_ranges`), with documents of its document (``ids``;
+    the other side's ids start at ``other_ids_base``), and with a block mask where its tile allows
+    (:func:`tile_visible`). Row kernels' tiles are queries by keys, column kernels' (``TRANSPOSED``) keys by
+    queries. The key-padding mask is applied apart (:func:`kept_keys`)."""
     mask = (other[None, :] >= lo[:, None]) & (other[None, :] < hi[:, None])
     if DOCUMENTS:
         other_ids = tl.load(other_ids_base + other, mask=other < n_other, other=-1)
         mask = mask & (ids[:, None] == other_ids[None, :])
+    if TILES:
+        if TRANSPOSED:
+            mask = mask & tile_visible(other, own, tiles_base, tile_bits, query_tiles, key_tiles, TILE_ROWS,
+                                       TILE_COLS, True)
+        else:
+            mask = mask & tile_visible(own, other, tiles_base, tile_bits, query_tiles, key_tiles, TILE_ROWS,
+                                       TILE_COLS, False)
     return mask
 
 
@@ -296,13 +335,16 @@ def kept_keys(key_mask_base, keys, M):
 
 
 @triton.jit
-def mask_scores(scores, keys, M, lo, hi, row_ids, k_ids_base, key_mask_base, MASKED: tl.constexpr,
-                DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr):
-    r"""A row kernel's ``scores`` (queries by keys) with :math:`-\infty` where a query does not see a key:
+def mask_scores(scores, keys, M, lo, hi, row_ids, k_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles,
+                key_tiles, MASKED: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr,
+                TILE_ROWS: tl.constexpr, TILE_COLS: tl.constexpr, HAS_KEY_MASK: tl.constexpr):
+    r"""A row kernel's ``scores`` (queries ``own`` by keys) with :math:`-\infty` where a query does not see a key:
     element by element (:func:`visible`) on a ``MASKED`` tile; on a whole one (:func:`sweep_bounds`) only
     where the key-padding mask drops the key."""
     if MASKED:
-        scores = tl.where(visible(keys, M, lo, hi, row_ids, k_ids_base, DOCUMENTS), scores, float("-inf"))
+        visible_keys = visible(keys, M, lo, hi, row_ids, k_ids_base, own, tiles_base, tile_bits, query_tiles,
+                               key_tiles, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, False)
+        scores = tl.where(visible_keys, scores, float("-inf"))
     if HAS_KEY_MASK:
         scores = tl.where(kept_keys(key_mask_base, keys, M)[None, :], scores, float("-inf"))
     return scores
@@ -310,20 +352,23 @@ def mask_scores(scores, keys, M, lo, hi, row_ids, k_ids_base, key_mask_base, MAS
 
 @triton.jit
 def probabilities(
-    q, k, row_max, log_sum, keys, M, qk_scale, lo, hi, row_ids, k_ids_base, key_mask_base,
-    MASKED: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    q, k, row_max, log_sum, keys, M, qk_scale, lo, hi, row_ids, k_ids_base, key_mask_base, own, tiles_base, tile_bits,
+    query_tiles, key_tiles, MASKED: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr,
+    TILES: tl.constexpr, TILE_ROWS: tl.constexpr, TILE_COLS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
     r"""Tile :math:`P_{ij} = 2^{(s_{ij} - m_i) - \log_2 \ell_i}` of a row kernel (:func:`load_softmax_stats`),
     zero where the query does not see the key (:func:`mask_scores`); ``qk_scale`` is :math:`\tau \log_2 e`."""
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    scores = mask_scores(scores, keys, M, lo, hi, row_ids, k_ids_base, key_mask_base, MASKED, DOCUMENTS, HAS_KEY_MASK)
+    scores = mask_scores(scores, keys, M, lo, hi, row_ids, k_ids_base, key_mask_base, own, tiles_base, tile_bits,
+                         query_tiles, key_tiles, MASKED, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK)
     return tl.exp2((scores - row_max[:, None]) - log_sum[:, None])
 
 
 @triton.jit
 def probabilities_transposed(
-    k, q, row_max, log_sum, rows, keys, N, M, qk_scale, lo, hi, key_ids, q_ids_base, key_mask_base,
-    MASKED: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    k, q, row_max, log_sum, rows, keys, N, M, qk_scale, lo, hi, key_ids, q_ids_base, key_mask_base, own, tiles_base,
+    tile_bits, query_tiles, key_tiles, MASKED: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr,
+    TILES: tl.constexpr, TILE_ROWS: tl.constexpr, TILE_COLS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
     r"""Tile :math:`P^\top` (keys by queries) of a column kernel, zero where the query does not see the key:
     element by element (:func:`visible`, each key's visible queries ``[lo, hi)``) on a ``MASKED`` tile, and
@@ -331,7 +376,9 @@ def probabilities_transposed(
     come with ``row_max = +inf`` (:func:`load_softmax_stats`), so that their P is 0."""
     scores = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
     if MASKED:
-        scores = tl.where(visible(rows, N, lo, hi, key_ids, q_ids_base, DOCUMENTS), scores, float("-inf"))
+        visible_queries = visible(rows, N, lo, hi, key_ids, q_ids_base, own, tiles_base, tile_bits, query_tiles,
+                                  key_tiles, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, True)
+        scores = tl.where(visible_queries, scores, float("-inf"))
     if HAS_KEY_MASK:
         scores = tl.where(kept_keys(key_mask_base, keys, M)[:, None], scores, float("-inf"))
     return tl.exp2((scores - row_max[None, :]) - log_sum[None, :])
@@ -561,28 +608,32 @@ def kernel_constants(q: torch.Tensor, masks: KernelMasks, allow_tf32: bool, **fl
     (which cotangents or tangents are present)."""
     head_dim = int(q.shape[-1])  # a compile-time constant: a symbolic head_dim (torch.compile) is specialised
     return dict(HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), PRECISION=dot_precision(q.dtype, allow_tf32),
-                BAND=masks.band, DOCUMENTS=masks.documents, HAS_KEY_MASK=masks.has_key_mask, **flags)
+                BAND=masks.band, DOCUMENTS=masks.documents, TILES=masks.tiles, TILE_ROWS=masks.tile_rows,
+                TILE_COLS=masks.tile_cols, HAS_KEY_MASK=masks.has_key_mask, **flags)
 
 
 class KernelMasks:
     """The masks of a kernel launch (:mod:`flashbob.masks`) as its arguments: after the kernel's tensors and
-    strides, ``KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right`` (:meth:`row_arguments` for the kernels
-    that sweep keys per query block, :meth:`column_arguments` for those that sweep queries per key block), and
-    the flags ``BAND``, ``DOCUMENTS``, ``HAS_KEY_MASK`` (:func:`kernel_constants`).
+    strides, ``KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, TILE_BITS, query_tiles,
+    key_tiles`` (:meth:`row_arguments` for the kernels that sweep keys per query block, :meth:`column_arguments`
+    for those that sweep queries per key block), and the flags ``BAND``, ``DOCUMENTS``, ``TILES`` (with the tile
+    size ``TILE_ROWS``, ``TILE_COLS``), ``HAS_KEY_MASK`` (:func:`kernel_constants`).
 
     The band is the window's ``(left, right)`` with ``causal`` as ``right = 0``; an unbounded side is passed as
-    ``N + M``, which no distance reaches. The documents' ``RANGES`` (:func:`flashbob.masks.document_ranges`) are
-    made on first use, the queries' for row kernels and the keys' for column kernels. Absent masks are passed as
-    a placeholder the kernels never read."""
+    ``N + M``, which no distance reaches. ``RANGES`` (the positions' visible ranges: the documents'
+    :func:`flashbob.masks.document_ranges` and a block mask's :func:`flashbob.masks.tile_ranges`, intersected) are
+    made on first use, the queries' for row kernels and the keys' for column kernels. A block mask comes as its
+    tiles (:func:`flashbob.masks.block_tiles`), one set for all heads. Absent masks are passed as a placeholder the
+    kernels never read."""
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, *, causal: bool, window, key_mask, q_ids, k_ids,
-                 tile_state=None):
-        if tile_state is not None:
-            raise ValueError("the Triton kernels do not take a block_mask: flashbob.attention runs block masks on the "
-                             "blocked backend (backend='auto' or 'blocked')")
+                 tile_state=None, tile_bits=None):
+        if tile_state is not None and tile_state.shape[1] != 1:
+            raise ValueError("the Triton kernels take a block_mask that is the same for every head; flashbob.attention "
+                             "runs a per-head block mask on the blocked backend")
         self.key_mask, self.has_key_mask = key_mask_operand(key_mask, q, k)
         placeholder = key_mask_operand(None, q, k)[0]
-        n, m = q.shape[2], k.shape[2]
+        self.n, self.m = n, m = q.shape[2], k.shape[2]
         band_ = band(causal, window)
         self.band = band_ is not None
         unbounded = n + m
@@ -592,19 +643,40 @@ class KernelMasks:
         self.documents = q_ids is not None
         self.q_ids = q_ids.to(q.device).contiguous() if self.documents else placeholder
         self.k_ids = k_ids.to(q.device).contiguous() if self.documents else placeholder
+        self.tiles = tile_state is not None
+        self.tile_state, self.tile_bits = tile_state, tile_bits
+        self.tile_rows, self.tile_cols = tile_bits.shape[1:] if self.tiles else (16, 16)
+        self.query_tiles, self.key_tiles = tile_state.shape[2:] if self.tiles else (1, 1)
         self._placeholder = placeholder
 
     @functools.cached_property
     def q_ranges(self) -> torch.Tensor:
-        return document_ranges(self.q_ids, self.k_ids) if self.documents else self._placeholder
+        return self._ranges(transposed=False)
 
     @functools.cached_property
     def k_ranges(self) -> torch.Tensor:
-        return document_ranges(self.k_ids, self.q_ids) if self.documents else self._placeholder
+        return self._ranges(transposed=True)
+
+    def _ranges(self, *, transposed: bool) -> torch.Tensor:
+        documents = tiles = None
+        if self.documents:
+            documents = document_ranges(self.k_ids, self.q_ids) if transposed else document_ranges(self.q_ids, self.k_ids)
+        if self.tiles:
+            tiles = tile_ranges(self.tile_state, self.tile_bits, self.n, self.m, transposed=transposed)
+        ranges = intersect_ranges(documents, tiles)
+        return self._placeholder if ranges is None else ranges
+
+    @functools.cached_property
+    def _tile_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.tiles:
+            return self._placeholder, self._placeholder
+        bits = self.tile_bits.to(torch.uint8).contiguous() if self.tile_bits.numel() else self._placeholder
+        return self.tile_state.to(torch.int32).contiguous(), bits
 
     def row_arguments(self) -> tuple:
-        return self.key_mask, self.q_ids, self.k_ids, self.q_ranges, self.left, self.right
+        return (self.key_mask, self.q_ids, self.k_ids, self.q_ranges, self.left, self.right, *self._tile_operands,
+                self.query_tiles, self.key_tiles)
 
     def column_arguments(self) -> tuple:
-        return self.key_mask, self.q_ids, self.k_ids, self.k_ranges, self.left, self.right
-
+        return (self.key_mask, self.q_ids, self.k_ids, self.k_ranges, self.left, self.right, *self._tile_operands,
+                self.query_tiles, self.key_tiles)

@@ -211,16 +211,21 @@ class Pick:
 _PICKS: dict[tuple[tuning.Key, str | None, str], Pick] = {}  # per (key, GPU, tuning mode), for this process
 
 
+#: Compile-time arguments that are not flags of a tuning key: head_dim fixes BLOCK_D, and a block mask's tiles
+#: are tuned as the masks without them.
+NOT_TUNING_FLAGS = ("HEAD_DIM", "BLOCK_D", "TILES", "TILE_ROWS", "TILE_COLS")
+
+
 def tuning_key(kernel: str, head_dim: int, dtype: torch.dtype, length: int, constants: dict) -> tuning.Key:
-    """The key of a launch: its compile-time ``constants`` but HEAD_DIM and BLOCK_D (which head_dim fixes)
-    are its flags. Memoised on its arguments (:func:`_tuning_key`): every launch asks for its key."""
+    """The key of a launch: its compile-time ``constants`` but :data:`NOT_TUNING_FLAGS` are its flags. Memoised on
+    its arguments (:func:`_tuning_key`): every launch asks for its key."""
     return _tuning_key(kernel, head_dim, dtype, length, tuple(constants.items()))
 
 
 @functools.lru_cache(maxsize=4096)
 def _tuning_key(kernel: str, head_dim: int, dtype: torch.dtype, length: int,
                 constants: tuple[tuple[str, object], ...]) -> tuning.Key:
-    flags = tuple(sorted((name, value) for name, value in constants if name not in ("HEAD_DIM", "BLOCK_D")))
+    flags = tuple(sorted((name, value) for name, value in constants if name not in NOT_TUNING_FLAGS))
     return tuning.Key(kernel, head_dim, str(dtype).removeprefix("torch."), tuning.bucket(length), flags)
 
 

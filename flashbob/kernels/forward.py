@@ -12,8 +12,9 @@ from . import common, configs
 @triton.jit
 def _forward_inner(
     acc, row_max, row_sum, q, k_src, v_src, stride_kn, stride_vn, start, end, M, qk_scale, lo, hi, row_ids,
-    k_ids_base, key_mask_base, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, PRECISION: tl.constexpr, BAND: tl.constexpr, DOCUMENTS: tl.constexpr,
+    k_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, PRECISION: tl.constexpr, BAND: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr,
+    TILE_COLS: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r"""Fold key blocks ``[start, end)`` into the online softmax of one query block.
@@ -31,10 +32,10 @@ def _forward_inner(
         k = common.load_block(k_src, start_n, keys, M, stride_kn, HEAD_DIM, BLOCK_D, TMA)
         v = common.load_block(v_src, start_n, keys, M, stride_vn, HEAD_DIM, BLOCK_D, TMA)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        scores = common.mask_scores(scores, keys, M, lo, hi, row_ids, k_ids_base, key_mask_base, MASKED, DOCUMENTS,
+        scores = common.mask_scores(scores, keys, M, lo, hi, row_ids, k_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
                                     HAS_KEY_MASK)
         new_max = tl.maximum(row_max, tl.max(scores, 1))
-        if HAS_KEY_MASK or BAND or DOCUMENTS:
+        if HAS_KEY_MASK or BAND or DOCUMENTS or TILES:
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)
         else:
             shift = new_max
@@ -52,9 +53,11 @@ def _forward_kernel(
     O,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-    STATS, KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right, heads, group, N, M, qk_scale,
+    STATS, KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, TILE_BITS,
+    query_tiles, key_tiles, heads, group, N, M, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BAND: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    BAND: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr,
+    TILE_COLS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     TMA: tl.constexpr,
 ):
     r""":math:`O = \mathrm{softmax}(\tau Q K^\top) V` and the softmax statistics :math:`(m_i, \log_2 \ell_i)`
@@ -74,26 +77,27 @@ def _forward_kernel(
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=acc_dtype)
     row_sum = tl.zeros([BLOCK_M], dtype=acc_dtype)
 
-    lo, hi, row_ids, k_ids_base, start, whole_start, whole_end, end = common.row_masks(
-        rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, BLOCK_N, BAND, DOCUMENTS)
+    lo, hi, row_ids, k_ids_base, tiles_base, start, whole_start, whole_end, end = common.row_masks(
+        rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
+    key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
     acc, row_max, row_sum = _forward_inner(
         acc, row_max, row_sum, q, k_src, v_src, stride_kn, stride_vn, start, whole_start, M, qk_scale, lo, hi,
-        row_ids, k_ids_base, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, BAND, DOCUMENTS,
+        row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, BAND, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
         HAS_KEY_MASK, TMA,
     )
     acc, row_max, row_sum = _forward_inner(
         acc, row_max, row_sum, q, k_src, v_src, stride_kn, stride_vn, whole_start, whole_end, M, qk_scale, lo, hi,
-        row_ids, k_ids_base, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION, BAND, DOCUMENTS,
+        row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION, BAND, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
         HAS_KEY_MASK, TMA,
     )
     acc, row_max, row_sum = _forward_inner(
         acc, row_max, row_sum, q, k_src, v_src, stride_kn, stride_vn, whole_end, end, M, qk_scale, lo, hi,
-        row_ids, k_ids_base, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, BAND, DOCUMENTS,
+        row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, BAND, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
         HAS_KEY_MASK, TMA,
     )
 
     o_src = common.head_tile_source(O, batch, head, stride_ob, stride_oh, N, stride_on, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
-    if HAS_KEY_MASK or BAND or DOCUMENTS:
+    if HAS_KEY_MASK or BAND or DOCUMENTS or TILES:
         seen = row_sum != 0  # a NaN sum (a NaN or +inf score) counts as seen, so that it reaches O and the statistics
         row_sum = tl.where(seen, row_sum, 1.0)
         row_max = tl.where(seen, row_max, float("inf"))
@@ -138,7 +142,7 @@ def forward(
     """
     common.check_qkv(q, k, v)
     masks = common.KernelMasks(q, k, causal=causal, window=window, key_mask=key_mask, q_ids=q_ids, k_ids=k_ids,
-                               tile_state=tile_state)
+                               tile_state=tile_state, tile_bits=tile_bits)
     q, k, v = (common.operand(x, q) for x in (q, k, v))
     batch, heads, n, head_dim = q.shape
     kv_heads, m = k.shape[1], k.shape[2]

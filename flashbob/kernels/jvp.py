@@ -57,10 +57,11 @@ def _p_s_dot(
 def _o_dot_inner(
     acc, r_rounded, q, q_dot, row_max, log_sum, k_src, v_src, k_dot_src, v_dot_src,
     stride_kn, stride_vn, stride_kdn, stride_vdn, start, end, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
-    key_mask_base,
+    key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr, PRECISION: tl.constexpr,
-    DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
+    DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr,
+    TILE_COLS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r"""Add key blocks ``[start, end)`` to a query block's
     :math:`\mathrm{acc}_i \mathrel{+}= \sum_j \tilde X_{ij} V_j + P_{ij} \dot V_j` and
@@ -78,7 +79,7 @@ def _o_dot_inner(
         keys = start_n + tl.arange(0, BLOCK_N)
         k = common.load_block(k_src, start_n, keys, M, stride_kn, HEAD_DIM, BLOCK_D, TMA)
         p = common.probabilities(q, k, row_max, log_sum, keys, M, qk_scale, lo, hi, row_ids, k_ids_base,
-                                 key_mask_base, MASKED=MASKED, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS,
+                                 key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED=MASKED, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS,
                                  HAS_KEY_MASK=HAS_KEY_MASK)
         if HAS_Q_DOT or HAS_K_DOT:
             v, p_s_dot = _p_s_dot(p, q, q_dot, k, v_src, k_dot_src, stride_vn, stride_kdn, start_n, keys, M, scale,
@@ -101,11 +102,13 @@ def _o_dot_kernel(
     stride_ob, stride_oh, stride_on,
     stride_qdb, stride_qdh, stride_qdn, stride_kdb, stride_kdh, stride_kdn, stride_vdb, stride_vdh, stride_vdn,
     stride_odb, stride_odh, stride_odn,
-    STATS, R_DOT, KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right, heads, group, N, M,
+    STATS, R_DOT, KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, TILE_BITS,
+    query_tiles, key_tiles, heads, group, N, M,
     qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BAND: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr,
-    PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
+    PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr,
+    TILE_COLS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r"""One query block's :math:`\dot O = \mathrm{acc} - \tilde r \circ O` (:func:`_o_dot_inner`) and
     :math:`\tilde r`, the tangent of the row log-sum-exp, into ``R_DOT``; key blocks split as in the forward.
@@ -128,23 +131,24 @@ def _o_dot_kernel(
                                                                   stride_kdh, stride_vdb, stride_vdh, M, stride_kn,
                                                                   stride_vn, stride_kdn, stride_vdn, HEAD_DIM, BLOCK_N,
                                                                   BLOCK_D, HAS_K_DOT, HAS_V_DOT, TMA)
-    lo, hi, row_ids, k_ids_base, start, whole_start, whole_end, end = common.row_masks(
-        rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, BLOCK_N, BAND, DOCUMENTS)
+    lo, hi, row_ids, k_ids_base, tiles_base, start, whole_start, whole_end, end = common.row_masks(
+        rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
+    key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
     acc, r_rounded = _o_dot_inner(
         acc, r_rounded, q, q_dot, row_max, log_sum, k_src, v_src, k_dot_src, v_dot_src, stride_kn, stride_vn,
-        stride_kdn, stride_vdn, start, whole_start, M, qk_scale, scale, lo, hi, row_ids, k_ids_base, key_mask_base,
-        HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS, HAS_KEY_MASK, TMA,
+        stride_kdn, stride_vdn, start, whole_start, M, qk_scale, scale, lo, hi, row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles,
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
     )
     acc, r_rounded = _o_dot_inner(
         acc, r_rounded, q, q_dot, row_max, log_sum, k_src, v_src, k_dot_src, v_dot_src, stride_kn, stride_vn,
         stride_kdn, stride_vdn, whole_start, whole_end, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
-        key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS,
+        key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
         HAS_KEY_MASK, TMA,
     )
     acc, r_rounded = _o_dot_inner(
         acc, r_rounded, q, q_dot, row_max, log_sum, k_src, v_src, k_dot_src, v_dot_src, stride_kn, stride_vn,
-        stride_kdn, stride_vdn, whole_end, end, M, qk_scale, scale, lo, hi, row_ids, k_ids_base, key_mask_base,
-        HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS, HAS_KEY_MASK, TMA,
+        stride_kdn, stride_vdn, whole_end, end, M, qk_scale, scale, lo, hi, row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles,
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
     )
     o_src = common.head_tile_source(O, batch, head, stride_ob, stride_oh, N, stride_on, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
     o_dot_src = common.head_tile_source(O_DOT, batch, head, stride_odb, stride_odh, N, stride_odn, HEAD_DIM, BLOCK_M,
@@ -162,10 +166,11 @@ def _o_dot_kernel(
 def _row_scalars_inner(
     r_dot, delta_dot, q, q_dot, do, row_max, log_sum, delta, k_src, v_src, k_dot_src, v_dot_src,
     stride_kn, stride_vn, stride_kdn, stride_vdn, start, end, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
-    key_mask_base,
+    key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr, PRECISION: tl.constexpr,
-    DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
+    DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr,
+    TILE_COLS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r"""Add key blocks ``[start, end)`` to a query block's :math:`\dot r_i \mathrel{+}= \sum_j P_{ij} \dot S_{ij}`
     and ``delta_dot`` :math:`\mathrel{+}= \sum_j P_{ij} (\dot S_{ij} (dP_{ij} - \Delta_i) + (dO \dot V^\top)_{ij})`,
@@ -175,7 +180,7 @@ def _row_scalars_inner(
         keys = start_n + tl.arange(0, BLOCK_N)
         k = common.load_block(k_src, start_n, keys, M, stride_kn, HEAD_DIM, BLOCK_D, TMA)
         p = common.probabilities(q, k, row_max, log_sum, keys, M, qk_scale, lo, hi, row_ids, k_ids_base,
-                                 key_mask_base, MASKED=MASKED, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS,
+                                 key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED=MASKED, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS,
                                  HAS_KEY_MASK=HAS_KEY_MASK)
         x = tl.zeros_like(p)
         if HAS_Q_DOT or HAS_K_DOT:
@@ -198,11 +203,13 @@ def _row_scalars_kernel(
     stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
     stride_qdb, stride_qdh, stride_qdn, stride_kdb, stride_kdh, stride_kdn, stride_vdb, stride_vdh, stride_vdn,
     stride_dodb, stride_dodh, stride_dodn,
-    STATS, DELTA, R_DOT, DELTA_DOT, KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right, heads, group, N, M,
+    STATS, DELTA, R_DOT, DELTA_DOT, KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, TILE_BITS,
+    query_tiles, key_tiles, heads, group, N, M,
     qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BAND: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr,
-    HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr,
+    TILE_COLS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     TMA: tl.constexpr,
 ):
     r"""The backward's first sweep: one query block's row scalars :math:`\dot r` and
@@ -233,24 +240,25 @@ def _row_scalars_kernel(
                                                                       stride_kdh, stride_vdb, stride_vdh, M, stride_kn,
                                                                       stride_vn, stride_kdn, stride_vdn, HEAD_DIM,
                                                                       BLOCK_N, BLOCK_D, HAS_K_DOT, HAS_V_DOT, TMA)
-        lo, hi, row_ids, k_ids_base, start, whole_start, whole_end, end = common.row_masks(
-            rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, BLOCK_N, BAND, DOCUMENTS)
+        lo, hi, row_ids, k_ids_base, tiles_base, start, whole_start, whole_end, end = common.row_masks(
+            rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
+    key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
         r_dot, delta_dot = _row_scalars_inner(
             r_dot, delta_dot, q, q_dot, do, row_max, log_sum, delta, k_src, v_src, k_dot_src, v_dot_src, stride_kn,
             stride_vn, stride_kdn, stride_vdn, start, whole_start, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
-            key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS,
+            key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
             HAS_KEY_MASK, TMA,
         )
         r_dot, delta_dot = _row_scalars_inner(
             r_dot, delta_dot, q, q_dot, do, row_max, log_sum, delta, k_src, v_src, k_dot_src, v_dot_src, stride_kn,
             stride_vn, stride_kdn, stride_vdn, whole_start, whole_end, M, qk_scale, scale, lo, hi, row_ids,
-            k_ids_base, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION,
-            DOCUMENTS, HAS_KEY_MASK, TMA,
+            k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION,
+            DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
         )
         r_dot, delta_dot = _row_scalars_inner(
             r_dot, delta_dot, q, q_dot, do, row_max, log_sum, delta, k_src, v_src, k_dot_src, v_dot_src, stride_kn,
             stride_vn, stride_kdn, stride_vdn, whole_end, end, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
-            key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS,
+            key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
             HAS_KEY_MASK, TMA,
         )
     if HAS_DO_DOT:
@@ -273,10 +281,11 @@ def _dq_dot_inner(
     dq_dot, q, q_dot, do, do_dot, row_max, log_sum, delta, r_dot, delta_dot,
     k_src, v_src, k_dot_src, v_dot_src, stride_kn, stride_vn, stride_kdn, stride_vdn,
     start, end, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
-    key_mask_base,
+    key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr, HAS_DO_DOT: tl.constexpr,
-    PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
+    PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr,
+    TILE_COLS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r"""Add key blocks ``[start, end)`` to a query block's
     :math:`d\dot Q_i / \tau \mathrel{+}= \sum_j d\dot S_{ij} K_j + dS_{ij} \dot K_j` with
@@ -288,7 +297,7 @@ def _dq_dot_inner(
                                                     stride_vn, stride_kdn, stride_vdn, HEAD_DIM, BLOCK_D, HAS_K_DOT,
                                                     HAS_V_DOT, TMA)
         p = common.probabilities(q, k, row_max, log_sum, keys, M, qk_scale, lo, hi, row_ids, k_ids_base,
-                                 key_mask_base, MASKED=MASKED, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS,
+                                 key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED=MASKED, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS,
                                  HAS_KEY_MASK=HAS_KEY_MASK)
         dp_centered = tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None]
         g = tl.zeros_like(p) - delta_dot[:, None]
@@ -312,11 +321,13 @@ def _dq_dot_kernel(
     stride_qdb, stride_qdh, stride_qdn, stride_kdb, stride_kdh, stride_kdn, stride_vdb, stride_vdh, stride_vdn,
     stride_dodb, stride_dodh, stride_dodn,
     stride_dqdb, stride_dqdh, stride_dqdn,
-    STATS, DELTA, R_DOT, DELTA_DOT, KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right, heads, group, N, M,
+    STATS, DELTA, R_DOT, DELTA_DOT, KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, TILE_BITS,
+    query_tiles, key_tiles, heads, group, N, M,
     qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BAND: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr,
-    HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr,
+    TILE_COLS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     TMA: tl.constexpr,
 ):
     r""":math:`d\dot Q = \tau (d\dot S K + dS \dot K)` of one query block, with :math:`\dot r, \Delta, \dot\Delta`
@@ -342,25 +353,26 @@ def _dq_dot_kernel(
                                                                   stride_kdh, stride_vdb, stride_vdh, M, stride_kn,
                                                                   stride_vn, stride_kdn, stride_vdn, HEAD_DIM, BLOCK_N,
                                                                   BLOCK_D, HAS_K_DOT, HAS_V_DOT, TMA)
-    lo, hi, row_ids, k_ids_base, start, whole_start, whole_end, end = common.row_masks(
-        rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, BLOCK_N, BAND, DOCUMENTS)
+    lo, hi, row_ids, k_ids_base, tiles_base, start, whole_start, whole_end, end = common.row_masks(
+        rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
+    key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
     dq_dot = _dq_dot_inner(
         dq_dot, q, q_dot, do, do_dot, row_max, log_sum, delta, r_dot, delta_dot, k_src, v_src, k_dot_src, v_dot_src,
         stride_kn, stride_vn, stride_kdn, stride_vdn, start, whole_start, M, qk_scale, scale, lo, hi, row_ids,
-        k_ids_base, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT,
-        PRECISION, DOCUMENTS, HAS_KEY_MASK, TMA,
+        k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT,
+        PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
     )
     dq_dot = _dq_dot_inner(
         dq_dot, q, q_dot, do, do_dot, row_max, log_sum, delta, r_dot, delta_dot, k_src, v_src, k_dot_src, v_dot_src,
         stride_kn, stride_vn, stride_kdn, stride_vdn, whole_start, whole_end, M, qk_scale, scale, lo, hi, row_ids,
-        k_ids_base, key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT,
-        PRECISION, DOCUMENTS, HAS_KEY_MASK, TMA,
+        k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT,
+        PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
     )
     dq_dot = _dq_dot_inner(
         dq_dot, q, q_dot, do, do_dot, row_max, log_sum, delta, r_dot, delta_dot, k_src, v_src, k_dot_src, v_dot_src,
         stride_kn, stride_vn, stride_kdn, stride_vdn, whole_end, end, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
-        key_mask_base, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION,
-        DOCUMENTS, HAS_KEY_MASK, TMA,
+        key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION,
+        DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
     )
     common.store_head_block(DQ_DOT, dq_dot * scale, batch, head, stride_dqdb, stride_dqdh, start_m, rows, N,
                             stride_dqdn, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
@@ -373,10 +385,11 @@ def _dq_dot_kernel(
 def _dk_dot_dv_dot_inner(
     dk_dot, dv_dot, k, v, k_dot, v_dot, q_src, do_src, q_dot_src, do_dot_src,
     stats_base, delta_base, r_dot_base, delta_dot_base, stride_qn, stride_don, stride_qdn, stride_dodn,
-    keys, start, end, N, qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, M,
+    keys, start, end, N, qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, M,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
     HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr, HAS_DO_DOT: tl.constexpr,
-    PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
+    PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr,
+    TILE_COLS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
     r"""Add query rows ``[start, end)`` of one query head to a key block's
 
@@ -396,8 +409,8 @@ def _dk_dot_dv_dot_inner(
         delta = common.load_rows(delta_base, rows, N)
         delta_dot = common.load_rows(delta_dot_base, rows, N)
         p_t = common.probabilities_transposed(k, q, row_max, log_sum, rows, keys, N, M, qk_scale, lo, hi, key_ids,
-                                              q_ids_base, key_mask_base, MASKED=MASKED, PRECISION=PRECISION,
-                                              DOCUMENTS=DOCUMENTS, HAS_KEY_MASK=HAS_KEY_MASK)
+                                              q_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED=MASKED, PRECISION=PRECISION,
+                                              DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS, HAS_KEY_MASK=HAS_KEY_MASK)
         dp_centered_t = tl.dot(v, tl.trans(do), input_precision=PRECISION) - delta[None, :]
         g_t = tl.zeros_like(p_t) - delta_dot[None, :]
         if HAS_Q_DOT or HAS_K_DOT:
@@ -427,11 +440,13 @@ def _dk_dot_dv_dot_kernel(
     stride_qdb, stride_qdh, stride_qdn, stride_kdb, stride_kdh, stride_kdn, stride_vdb, stride_vdh, stride_vdn,
     stride_dodb, stride_dodh, stride_dodn,
     stride_dkdb, stride_dkdh, stride_dkdn, stride_dvdb, stride_dvdh, stride_dvdn,
-    STATS, DELTA, R_DOT, DELTA_DOT, KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right, heads, kv_heads, group,
+    STATS, DELTA, R_DOT, DELTA_DOT, KEY_MASK, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, TILE_BITS,
+    query_tiles, key_tiles, heads, kv_heads, group,
     N, M, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BAND: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr,
-    HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr,
+    TILE_COLS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     TMA: tl.constexpr,
 ):
     r""":math:`d\dot K = \tau (d\dot S^\top Q + dS^\top \dot Q)` and
@@ -452,8 +467,9 @@ def _dk_dot_dv_dot_kernel(
                                                 stride_vn, stride_kdn, stride_vdn, HEAD_DIM, BLOCK_D, HAS_K_DOT,
                                                 HAS_V_DOT, TMA)
 
-    lo, hi, key_ids, q_ids_base, start, whole_start, whole_end, end = common.column_masks(
-        keys, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, BLOCK_M, BAND, DOCUMENTS)
+    lo, hi, key_ids, q_ids_base, tiles_base, start, whole_start, whole_end, end = common.column_masks(
+        keys, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
+    key_tiles, BLOCK_M, BAND, DOCUMENTS, TILES)
     for member in tl.range(group, num_stages=1):  # never pipelined: common.group_query_head
         head, batch_head, q_base, do_base, stats_base, delta_base = common.group_query_head(
             Q, DO, STATS, DELTA, batch, heads, kv_head, group, member, N, stride_qb, stride_qh, stride_dob, stride_doh)
@@ -468,20 +484,20 @@ def _dk_dot_dv_dot_kernel(
         dk_dot, dv_dot = _dk_dot_dv_dot_inner(
             dk_dot, dv_dot, k, v, k_dot, v_dot, q_src, do_src, q_dot_src, do_dot_src, stats_base, delta_base,
             r_dot_base, delta_dot_base, stride_qn, stride_don, stride_qdn, stride_dodn, keys, start, whole_start, N,
-            qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, True,
-            HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION, DOCUMENTS, HAS_KEY_MASK, TMA,
+            qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M, True,
+            HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
         )
         dk_dot, dv_dot = _dk_dot_dv_dot_inner(
             dk_dot, dv_dot, k, v, k_dot, v_dot, q_src, do_src, q_dot_src, do_dot_src, stats_base, delta_base,
             r_dot_base, delta_dot_base, stride_qn, stride_don, stride_qdn, stride_dodn, keys, whole_start, whole_end, N,
-            qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, False,
-            HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION, DOCUMENTS, HAS_KEY_MASK, TMA,
+            qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M, False,
+            HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
         )
         dk_dot, dv_dot = _dk_dot_dv_dot_inner(
             dk_dot, dv_dot, k, v, k_dot, v_dot, q_src, do_src, q_dot_src, do_dot_src, stats_base, delta_base,
             r_dot_base, delta_dot_base, stride_qn, stride_don, stride_qdn, stride_dodn, keys, whole_end, end, N,
-            qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, M, HEAD_DIM, BLOCK_D, BLOCK_M, True,
-            HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION, DOCUMENTS, HAS_KEY_MASK, TMA,
+            qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M, True,
+            HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
         )
 
     common.store_head_block(DK_DOT, dk_dot * scale, batch, kv_head, stride_dkdb, stride_dkdh, start_n, keys, M,
@@ -530,7 +546,7 @@ def forward_jvp(
     if q_dot is None and k_dot is None and v_dot is None:
         return torch.zeros_like(q), torch.zeros_like(stats)
     masks = common.KernelMasks(q, k, causal=causal, window=window, key_mask=key_mask, q_ids=q_ids, k_ids=k_ids,
-                               tile_state=tile_state)
+                               tile_state=tile_state, tile_bits=tile_bits)
     q, k, v, o = (common.operand(x, q) for x in (q, k, v, o))
     stats = common.softmax_stats(stats, q)
     r_dot = torch.empty(q.shape[:3], dtype=stats.dtype, device=q.device)
@@ -591,7 +607,7 @@ def backward_jvp(
     if q_dot is None and k_dot is None and v_dot is None and do_dot is None and o_dot is None:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     masks = common.KernelMasks(q, k, causal=causal, window=window, key_mask=key_mask, q_ids=q_ids, k_ids=k_ids,
-                               tile_state=tile_state)
+                               tile_state=tile_state, tile_bits=tile_bits)
     q, k, v, do, o = (common.operand(x, q) for x in (q, k, v, do, o))
     batch, heads, n, head_dim = q.shape
     kv_heads, m = k.shape[1], k.shape[2]
