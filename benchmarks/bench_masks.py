@@ -11,8 +11,8 @@ conventions, counted on the visible area of the score matrix; peak memory of the
   >= 0.9), time and memory per token (linear in N: flat).
 * ``documents``: fwd+bwd+BoB over ``--documents`` documents of ``--document-length`` tokens packed into one
   sequence (``document_ids``, causal), against that many separate causal calls of one document (target <= 1.15).
-* ``block_mask``: the sliding window given as a FlexAttention ``BlockMask`` against ``window=`` (target <= 1.3;
-  block masks run on the blocked backend, so this measures that fallback) at ``--block-mask-lengths``.
+* ``block_mask``: the sliding window given as a FlexAttention ``BlockMask`` against ``window=`` (target <= 1.3)
+  at ``--block-mask-lengths``.
 * ``flex``: forward + backward of the window and of the documents, flashbob against compiled ``flex_attention``
   with the same BlockMask, at ``--flex-lengths`` (target <= 1.2).
 * ``accuracy``: each output (O, dQ, dK, dV, the four BoB outputs, the forward's tangent) in bf16 and fp16 against a
@@ -273,7 +273,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=4096)
     parser.add_argument("--documents", type=int, default=8)
     parser.add_argument("--document-length", type=int, default=8192)
-    parser.add_argument("--block-mask-lengths", type=int, nargs="+", default=[16384])
+    parser.add_argument("--block-mask-lengths", type=int, nargs="+", default=[16384, 65536])
     parser.add_argument("--flex-lengths", type=int, nargs="+", default=[16384, 65536])
     parser.add_argument("--accuracy-lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--heads", type=int, default=16)
