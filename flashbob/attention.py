@@ -147,7 +147,7 @@ def attention(
     window = check_window(window)
     q_ids, k_ids = check_document_ids(document_ids, q, k)
     key_mask = check_key_mask(key_mask, q, k)
-    tile_state, tile_bits = block_tiles(block_mask, q, k)
+    tile_state, tile_bits = (None, None) if block_mask is None else block_tiles(block_mask, q, k)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     chosen = select_backend(q, backend)

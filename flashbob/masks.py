@@ -129,6 +129,7 @@ def document_ranges(own_ids: torch.Tensor, other_ids: torch.Tensor) -> torch.Ten
     return torch.stack((lo, hi, lo, torch.where(whole, hi, lo)), dim=1).to(torch.int32).contiguous()
 
 
+@torch.compiler.disable  # host work (its tiles are data-dependent): a graph break under torch.compile
 def block_tiles(block_mask, q: torch.Tensor, k: torch.Tensor):
     """Validate a FlexAttention ``BlockMask`` for ``q``, ``k`` and return its tiles ``(tile_state, tile_bits)``, or
     ``(None, None)``.
@@ -137,7 +138,8 @@ def block_tiles(block_mask, q: torch.Tensor, k: torch.Tensor):
     ``(rows, cols)``: :data:`EMPTY`, :data:`WHOLE`, or the index of a partial tile in ``tile_bits``, bool
     ``(partial tiles, rows, cols)``, its mask_mod evaluated there (False past N and M). The tiles the block mask
     lists as full are whole, the others it lists partial (all of them when it keeps no full blocks apart). The
-    result is kept per block mask and device, as a block mask is made once and used by many calls."""
+    result is kept per block mask and device, as a block mask is made once and used by many calls. Under
+    torch.compile the call breaks the graph here (``window=`` and ``document_ids=`` do not)."""
     if block_mask is None:
         return None, None
     from torch.nn.attention.flex_attention import BlockMask
