@@ -50,8 +50,10 @@ def _dkdv_inner(
         row_max, log_sum = common.load_softmax_stats(stats_base, rows, N)
         delta = common.load_rows(delta_base, rows, N)
         p_t = common.probabilities_transposed(k, q, row_max, log_sum, rows, keys, N, M, qk_scale, lo, hi, key_ids,
-                                              q_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED=MASKED, PRECISION=PRECISION,
-                                              DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS, HAS_KEY_MASK=HAS_KEY_MASK)
+                                              q_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles,
+                                              key_tiles, MASKED=MASKED, PRECISION=PRECISION,
+                                              DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS,
+                                              TILE_COLS=TILE_COLS, HAS_KEY_MASK=HAS_KEY_MASK)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -92,7 +94,7 @@ def _dkdv_kernel(
 
     lo, hi, key_ids, q_ids_base, tiles_base, start, whole_start, whole_end, end = common.column_masks(
         keys, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
-    key_tiles, BLOCK_M, BAND, DOCUMENTS, TILES)
+        key_tiles, BLOCK_M, BAND, DOCUMENTS, TILES)
     for member in tl.range(group, num_stages=1):  # never pipelined: common.group_query_head
         _, _, q_base, do_base, stats_base, delta_base = common.group_query_head(
             Q, DO, STATS, DELTA, batch, heads, kv_head, group, member, N, stride_qb, stride_qh, stride_dob, stride_doh)
@@ -100,17 +102,20 @@ def _dkdv_kernel(
         do_src = common.tile_source(do_base, N, stride_don, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_src, do_src, stats_base, delta_base, stride_qn, stride_don, keys, start, whole_start, N,
-            qk_scale, lo, hi, key_ids, q_ids_base, key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION,
+            qk_scale, lo, hi, key_ids, q_ids_base, key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles,
+            M, HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION,
             DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
         )
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_src, do_src, stats_base, delta_base, stride_qn, stride_don, keys, whole_start, whole_end,
-            N, qk_scale, lo, hi, key_ids, q_ids_base, key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M, False, PRECISION,
+            N, qk_scale, lo, hi, key_ids, q_ids_base, key_mask_base, keys, tiles_base, TILE_BITS, query_tiles,
+            key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M, False, PRECISION,
             DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
         )
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_src, do_src, stats_base, delta_base, stride_qn, stride_don, keys, whole_end, end, N,
-            qk_scale, lo, hi, key_ids, q_ids_base, key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION,
+            qk_scale, lo, hi, key_ids, q_ids_base, key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles,
+            M, HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION,
             DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
         )
 
@@ -123,8 +128,10 @@ def _dkdv_kernel(
 @triton.jit
 def _dq_inner(
     dq, q, do, row_max, log_sum, delta, k_src, v_src, stride_kn, stride_vn, start, end, M, qk_scale, lo, hi, row_ids,
-    k_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr,
+    k_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
     TILE_COLS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     TMA: tl.constexpr,
 ):
@@ -136,7 +143,9 @@ def _dq_inner(
         k = common.load_block(k_src, start_n, keys, M, stride_kn, HEAD_DIM, BLOCK_D, TMA)
         v = common.load_block(v_src, start_n, keys, M, stride_vn, HEAD_DIM, BLOCK_D, TMA)
         p = common.probabilities(q, k, row_max, log_sum, keys, M, qk_scale, lo, hi, row_ids, k_ids_base,
-                                 key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED=MASKED, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS,
+                                 key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED=MASKED,
+                                 PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS,
+                                 TILE_COLS=TILE_COLS,
                                  HAS_KEY_MASK=HAS_KEY_MASK)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
@@ -180,20 +189,23 @@ def _dq_kernel(
 
     lo, hi, row_ids, k_ids_base, tiles_base, start, whole_start, whole_end, end = common.row_masks(
         rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
-    key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
+        key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
     dq = _dq_inner(
         dq, q, do, row_max, log_sum, delta, k_src, v_src, stride_kn, stride_vn, start, whole_start, M, qk_scale, lo,
-        hi, row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK,
+        hi, row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D,
+        BLOCK_N, True, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK,
         TMA,
     )
     dq = _dq_inner(
         dq, q, do, row_max, log_sum, delta, k_src, v_src, stride_kn, stride_vn, whole_start, whole_end, M, qk_scale,
-        lo, hi, row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
+        lo, hi, row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM,
+        BLOCK_D, BLOCK_N, False, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
         HAS_KEY_MASK, TMA,
     )
     dq = _dq_inner(
         dq, q, do, row_max, log_sum, delta, k_src, v_src, stride_kn, stride_vn, whole_end, end, M, qk_scale, lo, hi,
-        row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK,
+        row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D,
+        BLOCK_N, True, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK,
         TMA,
     )
     common.store_head_block(DQ, dq * scale, batch, head, stride_dqb, stride_dqh, start_m, rows, N, stride_dqn, HEAD_DIM,
@@ -249,7 +261,8 @@ def backward(
 
     configs.launch(  # first: it also writes delta, which dK/dV read
         "dq", _dq_kernel, common.row_grid(n, batch * heads), *common.with_strides(q, k, v, do, o, dq), stats, delta,
-        *masks.row_arguments(), heads, *scalars, head_dim=head_dim, dtype=q.dtype, length=n, descriptors=(q, k, v, do, o, dq),
+        *masks.row_arguments(), heads, *scalars, head_dim=head_dim, dtype=q.dtype, length=n,
+        descriptors=(q, k, v, do, o, dq),
         **constants,
     )
     configs.launch(

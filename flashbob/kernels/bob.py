@@ -26,7 +26,8 @@ from . import common, configs
 @triton.jit
 def _bob_tile(
     q, k, v, do, u_bar, w_bar, z_bar, row_max, log_sum, delta, rows, keys, N, M, qk_scale, scale, lo, hi, own_ids,
-    other_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, TRANSPOSED: tl.constexpr, MASKED: tl.constexpr, WITH_DO: tl.constexpr,
+    other_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, TRANSPOSED: tl.constexpr,
+    MASKED: tl.constexpr, WITH_DO: tl.constexpr,
     HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr, PRECISION: tl.constexpr,
     DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr,
     TILE_COLS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
@@ -46,11 +47,15 @@ def _bob_tile(
     """
     if TRANSPOSED:
         p = common.probabilities_transposed(k, q, row_max, log_sum, rows, keys, N, M, qk_scale, lo, hi, own_ids,
-                                            other_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED=MASKED, PRECISION=PRECISION,
-                                            DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS, HAS_KEY_MASK=HAS_KEY_MASK)
+                                            other_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles,
+                                            key_tiles, MASKED=MASKED, PRECISION=PRECISION,
+                                            DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS,
+                                            HAS_KEY_MASK=HAS_KEY_MASK)
     else:
         p = common.probabilities(q, k, row_max, log_sum, keys, M, qk_scale, lo, hi, own_ids, other_ids_base,
-                                 key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED=MASKED, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS,
+                                 key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED=MASKED,
+                                 PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS,
+                                 TILE_COLS=TILE_COLS,
                                  HAS_KEY_MASK=HAS_KEY_MASK)
     dp, dp_centered, a_bar, b_bar = p, p, p, p
     if WITH_DO:
@@ -137,7 +142,8 @@ def _do_bar_step(
 def _rows_inner(
     acc, a, c, q, do, u_bar, row_max, log_sum, delta, k_src, v_src, w_bar_src, z_bar_src,
     stride_kn, stride_vn, stride_wn, stride_zn, rows, start, end, N, M, qk_scale, scale, lo, hi, row_ids,
-    k_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    k_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr,
     PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr,
     TILE_COLS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, SWEEP: tl.constexpr,
@@ -156,7 +162,8 @@ def _rows_inner(
                                                     HAS_DV_BAR, TMA)
         p, dp, dp_centered, a_bar, b_bar = _bob_tile(
             q, k, v, do, u_bar, w_bar, z_bar, row_max, log_sum, delta, rows, keys, N, M, qk_scale, scale, lo, hi,
-            row_ids, k_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, TRANSPOSED=False, MASKED=MASKED, WITH_DO=SWEEP != "bob_do_bar",
+            row_ids, k_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, TRANSPOSED=False,
+            MASKED=MASKED, WITH_DO=SWEEP != "bob_do_bar",
             HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR, HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION,
             DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS, HAS_KEY_MASK=HAS_KEY_MASK,
         )
@@ -216,7 +223,7 @@ def _bob_rows_kernel(
     acc_dtype = DELTA.dtype.element_ty
     lo, hi, row_ids, k_ids_base, tiles_base, start, whole_start, whole_end, end = common.row_masks(
         rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
-    key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
+        key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
 
     if SWEEP == "bob_scalars":
         a = tl.zeros([BLOCK_M], dtype=acc_dtype)
@@ -228,19 +235,22 @@ def _bob_rows_kernel(
     acc, a, c = _rows_inner(
         acc, a, c, q, do, u_bar, row_max, log_sum, delta, k_src, v_src, w_bar_src, z_bar_src, stride_kn, stride_vn,
         stride_wn, stride_zn, rows, start, whole_start, N, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
-        key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
+        key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True,
+        HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
         HAS_KEY_MASK, SWEEP, TMA,
     )
     acc, a, c = _rows_inner(
         acc, a, c, q, do, u_bar, row_max, log_sum, delta, k_src, v_src, w_bar_src, z_bar_src, stride_kn, stride_vn,
         stride_wn, stride_zn, rows, whole_start, whole_end, N, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
-        key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
+        key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, False,
+        HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
         HAS_KEY_MASK, SWEEP, TMA,
     )
     acc, a, c = _rows_inner(
         acc, a, c, q, do, u_bar, row_max, log_sum, delta, k_src, v_src, w_bar_src, z_bar_src, stride_kn, stride_vn,
         stride_wn, stride_zn, rows, whole_end, end, N, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
-        key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
+        key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True,
+        HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
         HAS_KEY_MASK, SWEEP, TMA,
     )
 
@@ -262,7 +272,8 @@ def _bob_rows_kernel(
 def _columns_inner(
     k_bar, v_bar, k, v, w_bar, z_bar,
     q_src, do_src, u_bar_src, stats_base, delta_base, a_base, c_base, stride_qn, stride_don, stride_un,
-    keys, start, end, N, qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, M,
+    keys, start, end, N, qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, own, tiles_base, tile_bits,
+    query_tiles, key_tiles, M,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
     HAS_DQ_BAR: tl.constexpr, HAS_DK_BAR: tl.constexpr, HAS_DV_BAR: tl.constexpr, PRECISION: tl.constexpr,
     DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr,
@@ -289,8 +300,10 @@ def _columns_inner(
         c = common.load_rows(c_base, rows, N)
         p_t, dp_t, dp_centered_t, a_bar_t, b_bar_t = _bob_tile(
             q, k, v, do, u_bar, w_bar, z_bar, row_max, log_sum, delta, rows, keys, N, M, qk_scale, scale, lo, hi,
-            key_ids, q_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, TRANSPOSED=True, MASKED=MASKED, WITH_DO=True, HAS_DQ_BAR=HAS_DQ_BAR,
-            HAS_DK_BAR=HAS_DK_BAR, HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS,
+            key_ids, q_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, TRANSPOSED=True,
+            MASKED=MASKED, WITH_DO=True, HAS_DQ_BAR=HAS_DQ_BAR,
+            HAS_DK_BAR=HAS_DK_BAR, HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES,
+            TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS,
             HAS_KEY_MASK=HAS_KEY_MASK,
         )
         g_s_t = tl.zeros_like(p_t) - c[None, :]
@@ -340,7 +353,7 @@ def _bob_columns_kernel(
 
     lo, hi, key_ids, q_ids_base, tiles_base, start, whole_start, whole_end, end = common.column_masks(
         keys, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
-    key_tiles, BLOCK_M, BAND, DOCUMENTS, TILES)
+        key_tiles, BLOCK_M, BAND, DOCUMENTS, TILES)
     for member in tl.range(group, num_stages=1):  # never pipelined: common.group_query_head
         head, batch_head, q_base, do_base, stats_base, delta_base = common.group_query_head(
             Q, DO, STATS, DELTA, batch, heads, kv_head, group, member, N, stride_qb, stride_qh, stride_dob, stride_doh)
@@ -353,20 +366,27 @@ def _bob_columns_kernel(
         k_bar, v_bar = _columns_inner(
             k_bar, v_bar, k, v, w_bar, z_bar, q_src, do_src, u_bar_src, stats_base, delta_base, a_base, c_base,
             stride_qn, stride_don, stride_un, keys, start, whole_start, N, qk_scale, scale, lo, hi, key_ids, q_ids_base,
-            key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M, MASKED=True, HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR,
-            HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS, HAS_KEY_MASK=HAS_KEY_MASK, TMA=TMA,
+            key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M,
+            MASKED=True, HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR,
+            HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS,
+            TILE_COLS=TILE_COLS, HAS_KEY_MASK=HAS_KEY_MASK, TMA=TMA,
         )
         k_bar, v_bar = _columns_inner(
             k_bar, v_bar, k, v, w_bar, z_bar, q_src, do_src, u_bar_src, stats_base, delta_base, a_base, c_base,
-            stride_qn, stride_don, stride_un, keys, whole_start, whole_end, N, qk_scale, scale, lo, hi, key_ids, q_ids_base,
-            key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M, MASKED=False, HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR,
-            HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS, HAS_KEY_MASK=HAS_KEY_MASK, TMA=TMA,
+            stride_qn, stride_don, stride_un, keys, whole_start, whole_end, N, qk_scale, scale, lo, hi, key_ids,
+            q_ids_base,
+            key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M,
+            MASKED=False, HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR,
+            HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS,
+            TILE_COLS=TILE_COLS, HAS_KEY_MASK=HAS_KEY_MASK, TMA=TMA,
         )
         k_bar, v_bar = _columns_inner(
             k_bar, v_bar, k, v, w_bar, z_bar, q_src, do_src, u_bar_src, stats_base, delta_base, a_base, c_base,
             stride_qn, stride_don, stride_un, keys, whole_end, end, N, qk_scale, scale, lo, hi, key_ids, q_ids_base,
-            key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M, MASKED=True, HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR,
-            HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS, HAS_KEY_MASK=HAS_KEY_MASK, TMA=TMA,
+            key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M,
+            MASKED=True, HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR,
+            HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS,
+            TILE_COLS=TILE_COLS, HAS_KEY_MASK=HAS_KEY_MASK, TMA=TMA,
         )
 
     common.store_head_block(K_BAR, k_bar * scale, batch, kv_head, stride_kbb, stride_kbh, start_n, keys, M, stride_kbn,

@@ -12,8 +12,10 @@ from . import common, configs
 @triton.jit
 def _forward_inner(
     acc, row_max, row_sum, q, k_src, v_src, stride_kn, stride_vn, start, end, M, qk_scale, lo, hi, row_ids,
-    k_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, PRECISION: tl.constexpr, BAND: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr,
+    k_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, PRECISION: tl.constexpr, BAND: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
     TILE_COLS: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, TMA: tl.constexpr,
 ):
@@ -32,7 +34,8 @@ def _forward_inner(
         k = common.load_block(k_src, start_n, keys, M, stride_kn, HEAD_DIM, BLOCK_D, TMA)
         v = common.load_block(v_src, start_n, keys, M, stride_vn, HEAD_DIM, BLOCK_D, TMA)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        scores = common.mask_scores(scores, keys, M, lo, hi, row_ids, k_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
+        scores = common.mask_scores(scores, keys, M, lo, hi, row_ids, k_ids_base, key_mask_base, own, tiles_base,
+                                    tile_bits, query_tiles, key_tiles, MASKED, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
                                     HAS_KEY_MASK)
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         if HAS_KEY_MASK or BAND or DOCUMENTS or TILES:
@@ -79,20 +82,23 @@ def _forward_kernel(
 
     lo, hi, row_ids, k_ids_base, tiles_base, start, whole_start, whole_end, end = common.row_masks(
         rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
-    key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
+        key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
     acc, row_max, row_sum = _forward_inner(
         acc, row_max, row_sum, q, k_src, v_src, stride_kn, stride_vn, start, whole_start, M, qk_scale, lo, hi,
-        row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, BAND, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
+        row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D,
+        BLOCK_N, True, PRECISION, BAND, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
         HAS_KEY_MASK, TMA,
     )
     acc, row_max, row_sum = _forward_inner(
         acc, row_max, row_sum, q, k_src, v_src, stride_kn, stride_vn, whole_start, whole_end, M, qk_scale, lo, hi,
-        row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION, BAND, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
+        row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D,
+        BLOCK_N, False, PRECISION, BAND, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
         HAS_KEY_MASK, TMA,
     )
     acc, row_max, row_sum = _forward_inner(
         acc, row_max, row_sum, q, k_src, v_src, stride_kn, stride_vn, whole_end, end, M, qk_scale, lo, hi,
-        row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION, BAND, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
+        row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D,
+        BLOCK_N, True, PRECISION, BAND, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
         HAS_KEY_MASK, TMA,
     )
 

@@ -79,7 +79,9 @@ def _o_dot_inner(
         keys = start_n + tl.arange(0, BLOCK_N)
         k = common.load_block(k_src, start_n, keys, M, stride_kn, HEAD_DIM, BLOCK_D, TMA)
         p = common.probabilities(q, k, row_max, log_sum, keys, M, qk_scale, lo, hi, row_ids, k_ids_base,
-                                 key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED=MASKED, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS,
+                                 key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED=MASKED,
+                                 PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS,
+                                 TILE_COLS=TILE_COLS,
                                  HAS_KEY_MASK=HAS_KEY_MASK)
         if HAS_Q_DOT or HAS_K_DOT:
             v, p_s_dot = _p_s_dot(p, q, q_dot, k, v_src, k_dot_src, stride_vn, stride_kdn, start_n, keys, M, scale,
@@ -133,22 +135,27 @@ def _o_dot_kernel(
                                                                   BLOCK_D, HAS_K_DOT, HAS_V_DOT, TMA)
     lo, hi, row_ids, k_ids_base, tiles_base, start, whole_start, whole_end, end = common.row_masks(
         rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
-    key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
+        key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
     acc, r_rounded = _o_dot_inner(
         acc, r_rounded, q, q_dot, row_max, log_sum, k_src, v_src, k_dot_src, v_dot_src, stride_kn, stride_vn,
-        stride_kdn, stride_vdn, start, whole_start, M, qk_scale, scale, lo, hi, row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles,
-        HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
+        stride_kdn, stride_vdn, start, whole_start, M, qk_scale, scale, lo, hi, row_ids, k_ids_base, key_mask_base,
+        rows, tiles_base, TILE_BITS, query_tiles, key_tiles,
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS,
+        TILE_COLS, HAS_KEY_MASK, TMA,
     )
     acc, r_rounded = _o_dot_inner(
         acc, r_rounded, q, q_dot, row_max, log_sum, k_src, v_src, k_dot_src, v_dot_src, stride_kn, stride_vn,
         stride_kdn, stride_vdn, whole_start, whole_end, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
-        key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
+        key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, False,
+        HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
         HAS_KEY_MASK, TMA,
     )
     acc, r_rounded = _o_dot_inner(
         acc, r_rounded, q, q_dot, row_max, log_sum, k_src, v_src, k_dot_src, v_dot_src, stride_kn, stride_vn,
-        stride_kdn, stride_vdn, whole_end, end, M, qk_scale, scale, lo, hi, row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles,
-        HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
+        stride_kdn, stride_vdn, whole_end, end, M, qk_scale, scale, lo, hi, row_ids, k_ids_base, key_mask_base, rows,
+        tiles_base, TILE_BITS, query_tiles, key_tiles,
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS,
+        TILE_COLS, HAS_KEY_MASK, TMA,
     )
     o_src = common.head_tile_source(O, batch, head, stride_ob, stride_oh, N, stride_on, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
     o_dot_src = common.head_tile_source(O_DOT, batch, head, stride_odb, stride_odh, N, stride_odn, HEAD_DIM, BLOCK_M,
@@ -180,7 +187,9 @@ def _row_scalars_inner(
         keys = start_n + tl.arange(0, BLOCK_N)
         k = common.load_block(k_src, start_n, keys, M, stride_kn, HEAD_DIM, BLOCK_D, TMA)
         p = common.probabilities(q, k, row_max, log_sum, keys, M, qk_scale, lo, hi, row_ids, k_ids_base,
-                                 key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED=MASKED, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS,
+                                 key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED=MASKED,
+                                 PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS,
+                                 TILE_COLS=TILE_COLS,
                                  HAS_KEY_MASK=HAS_KEY_MASK)
         x = tl.zeros_like(p)
         if HAS_Q_DOT or HAS_K_DOT:
@@ -208,7 +217,8 @@ def _row_scalars_kernel(
     qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BAND: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr,
-    HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr,
+    HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
     TILE_COLS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     TMA: tl.constexpr,
 ):
@@ -242,23 +252,26 @@ def _row_scalars_kernel(
                                                                       BLOCK_N, BLOCK_D, HAS_K_DOT, HAS_V_DOT, TMA)
         lo, hi, row_ids, k_ids_base, tiles_base, start, whole_start, whole_end, end = common.row_masks(
             rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
-    key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
+            key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
         r_dot, delta_dot = _row_scalars_inner(
             r_dot, delta_dot, q, q_dot, do, row_max, log_sum, delta, k_src, v_src, k_dot_src, v_dot_src, stride_kn,
             stride_vn, stride_kdn, stride_vdn, start, whole_start, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
-            key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
+            key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True,
+            HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
             HAS_KEY_MASK, TMA,
         )
         r_dot, delta_dot = _row_scalars_inner(
             r_dot, delta_dot, q, q_dot, do, row_max, log_sum, delta, k_src, v_src, k_dot_src, v_dot_src, stride_kn,
             stride_vn, stride_kdn, stride_vdn, whole_start, whole_end, M, qk_scale, scale, lo, hi, row_ids,
-            k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION,
+            k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N,
+            False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION,
             DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
         )
         r_dot, delta_dot = _row_scalars_inner(
             r_dot, delta_dot, q, q_dot, do, row_max, log_sum, delta, k_src, v_src, k_dot_src, v_dot_src, stride_kn,
             stride_vn, stride_kdn, stride_vdn, whole_end, end, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
-            key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
+            key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True,
+            HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
             HAS_KEY_MASK, TMA,
         )
     if HAS_DO_DOT:
@@ -297,7 +310,9 @@ def _dq_dot_inner(
                                                     stride_vn, stride_kdn, stride_vdn, HEAD_DIM, BLOCK_D, HAS_K_DOT,
                                                     HAS_V_DOT, TMA)
         p = common.probabilities(q, k, row_max, log_sum, keys, M, qk_scale, lo, hi, row_ids, k_ids_base,
-                                 key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED=MASKED, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS,
+                                 key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED=MASKED,
+                                 PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS,
+                                 TILE_COLS=TILE_COLS,
                                  HAS_KEY_MASK=HAS_KEY_MASK)
         dp_centered = tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None]
         g = tl.zeros_like(p) - delta_dot[:, None]
@@ -326,7 +341,8 @@ def _dq_dot_kernel(
     qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BAND: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr,
-    HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr,
+    HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
     TILE_COLS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     TMA: tl.constexpr,
 ):
@@ -355,23 +371,26 @@ def _dq_dot_kernel(
                                                                   BLOCK_D, HAS_K_DOT, HAS_V_DOT, TMA)
     lo, hi, row_ids, k_ids_base, tiles_base, start, whole_start, whole_end, end = common.row_masks(
         rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
-    key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
+        key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
     dq_dot = _dq_dot_inner(
         dq_dot, q, q_dot, do, do_dot, row_max, log_sum, delta, r_dot, delta_dot, k_src, v_src, k_dot_src, v_dot_src,
         stride_kn, stride_vn, stride_kdn, stride_vdn, start, whole_start, M, qk_scale, scale, lo, hi, row_ids,
-        k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT,
+        k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N,
+        True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT,
         PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
     )
     dq_dot = _dq_dot_inner(
         dq_dot, q, q_dot, do, do_dot, row_max, log_sum, delta, r_dot, delta_dot, k_src, v_src, k_dot_src, v_dot_src,
         stride_kn, stride_vn, stride_kdn, stride_vdn, whole_start, whole_end, M, qk_scale, scale, lo, hi, row_ids,
-        k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT,
+        k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N,
+        False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT,
         PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
     )
     dq_dot = _dq_dot_inner(
         dq_dot, q, q_dot, do, do_dot, row_max, log_sum, delta, r_dot, delta_dot, k_src, v_src, k_dot_src, v_dot_src,
         stride_kn, stride_vn, stride_kdn, stride_vdn, whole_end, end, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
-        key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION,
+        key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT,
+        HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION,
         DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
     )
     common.store_head_block(DQ_DOT, dq_dot * scale, batch, head, stride_dqdb, stride_dqdh, start_m, rows, N,
@@ -385,7 +404,8 @@ def _dq_dot_kernel(
 def _dk_dot_dv_dot_inner(
     dk_dot, dv_dot, k, v, k_dot, v_dot, q_src, do_src, q_dot_src, do_dot_src,
     stats_base, delta_base, r_dot_base, delta_dot_base, stride_qn, stride_don, stride_qdn, stride_dodn,
-    keys, start, end, N, qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, M,
+    keys, start, end, N, qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, own, tiles_base, tile_bits,
+    query_tiles, key_tiles, M,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
     HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr, HAS_DO_DOT: tl.constexpr,
     PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr,
@@ -409,8 +429,10 @@ def _dk_dot_dv_dot_inner(
         delta = common.load_rows(delta_base, rows, N)
         delta_dot = common.load_rows(delta_dot_base, rows, N)
         p_t = common.probabilities_transposed(k, q, row_max, log_sum, rows, keys, N, M, qk_scale, lo, hi, key_ids,
-                                              q_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED=MASKED, PRECISION=PRECISION,
-                                              DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS, HAS_KEY_MASK=HAS_KEY_MASK)
+                                              q_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles,
+                                              key_tiles, MASKED=MASKED, PRECISION=PRECISION,
+                                              DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS,
+                                              TILE_COLS=TILE_COLS, HAS_KEY_MASK=HAS_KEY_MASK)
         dp_centered_t = tl.dot(v, tl.trans(do), input_precision=PRECISION) - delta[None, :]
         g_t = tl.zeros_like(p_t) - delta_dot[None, :]
         if HAS_Q_DOT or HAS_K_DOT:
@@ -445,7 +467,8 @@ def _dk_dot_dv_dot_kernel(
     N, M, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BAND: tl.constexpr, HAS_Q_DOT: tl.constexpr, HAS_K_DOT: tl.constexpr, HAS_V_DOT: tl.constexpr,
-    HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr, TILE_ROWS: tl.constexpr,
+    HAS_DO_DOT: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
     TILE_COLS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     TMA: tl.constexpr,
 ):
@@ -469,7 +492,7 @@ def _dk_dot_dv_dot_kernel(
 
     lo, hi, key_ids, q_ids_base, tiles_base, start, whole_start, whole_end, end = common.column_masks(
         keys, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
-    key_tiles, BLOCK_M, BAND, DOCUMENTS, TILES)
+        key_tiles, BLOCK_M, BAND, DOCUMENTS, TILES)
     for member in tl.range(group, num_stages=1):  # never pipelined: common.group_query_head
         head, batch_head, q_base, do_base, stats_base, delta_base = common.group_query_head(
             Q, DO, STATS, DELTA, batch, heads, kv_head, group, member, N, stride_qb, stride_qh, stride_dob, stride_doh)
@@ -484,20 +507,26 @@ def _dk_dot_dv_dot_kernel(
         dk_dot, dv_dot = _dk_dot_dv_dot_inner(
             dk_dot, dv_dot, k, v, k_dot, v_dot, q_src, do_src, q_dot_src, do_dot_src, stats_base, delta_base,
             r_dot_base, delta_dot_base, stride_qn, stride_don, stride_qdn, stride_dodn, keys, start, whole_start, N,
-            qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M, True,
-            HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
+            qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, keys, tiles_base, TILE_BITS, query_tiles,
+            key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M, True,
+            HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
+            HAS_KEY_MASK, TMA,
         )
         dk_dot, dv_dot = _dk_dot_dv_dot_inner(
             dk_dot, dv_dot, k, v, k_dot, v_dot, q_src, do_src, q_dot_src, do_dot_src, stats_base, delta_base,
             r_dot_base, delta_dot_base, stride_qn, stride_don, stride_qdn, stride_dodn, keys, whole_start, whole_end, N,
-            qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M, False,
-            HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
+            qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, keys, tiles_base, TILE_BITS, query_tiles,
+            key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M, False,
+            HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
+            HAS_KEY_MASK, TMA,
         )
         dk_dot, dv_dot = _dk_dot_dv_dot_inner(
             dk_dot, dv_dot, k, v, k_dot, v_dot, q_src, do_src, q_dot_src, do_dot_src, stats_base, delta_base,
             r_dot_base, delta_dot_base, stride_qn, stride_don, stride_qdn, stride_dodn, keys, whole_end, end, N,
-            qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M, True,
-            HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
+            qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, keys, tiles_base, TILE_BITS, query_tiles,
+            key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M, True,
+            HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
+            HAS_KEY_MASK, TMA,
         )
 
     common.store_head_block(DK_DOT, dk_dot * scale, batch, kv_head, stride_dkdb, stride_dkdh, start_n, keys, M,
@@ -625,7 +654,8 @@ def backward_jvp(
         configs.launch(
             "jvp_rows", _row_scalars_kernel, common.row_grid(n, batch * heads),
             *common.with_strides(q, k, v, o, do, *tangents), stats, delta, r_dot, delta_dot,
-            *masks.row_arguments(), heads, *scalars, head_dim=head_dim, dtype=q.dtype, length=n, descriptors=(q, k, v, o, do, *tangents),
+            *masks.row_arguments(), heads, *scalars, head_dim=head_dim, dtype=q.dtype, length=n,
+            descriptors=(q, k, v, o, do, *tangents),
             **constants,
         )
     else:
