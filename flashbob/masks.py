@@ -323,7 +323,7 @@ def dense(n: int, m: int, *, causal: bool = False, window: Band | None = None, k
     q_ids, k_ids = document_ids if document_ids is not None else (None, None)
     tile_state = tile_bits = None
     if block_mask is not None:
-        tile_state, tile_bits = _tiles(block_mask, n, m, device)
+        tile_state, tile_bits = _tiles(block_mask, n, m, device or block_mask.kv_num_blocks.device)
     mask = Mask(n, m, band(causal, check_window(window)), key_mask, q_ids, k_ids, tile_state, tile_bits)
     keep = mask.visible(slice(0, n), slice(0, m), device)
     if keep is None:
