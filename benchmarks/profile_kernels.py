@@ -75,7 +75,7 @@ FIELDS = ("workload", "causal", "n", "batch", "heads", "head_dim", "dtype", "ker
 @dataclasses.dataclass
 class Launch:
     """One launch of a Triton kernel: the CompiledKernel (None in the interpreter), its keyword
-    arguments (constexprs such as BLOCK_M, CAUSAL, and num_warps/num_stages) and its grid."""
+    arguments (constexprs such as BLOCK_M, BAND, and num_warps/num_stages) and its grid."""
 
     name: str
     kernel: object
