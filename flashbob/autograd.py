@@ -38,9 +38,8 @@ import inspect
 
 import torch
 from einops import rearrange
-from torch._C._functorch import is_legacy_batchedtensor
 
-from flashbob import kept
+from flashbob import _compat, kept
 from flashbob.inputs import MAX_GRID_Y
 
 SECOND_ORDER_ROUTES = (
@@ -93,14 +92,6 @@ def _vmap_rule(function, info, in_dims, args):
     return outputs, 0 if isinstance(outputs, torch.Tensor) else (0,) * len(outputs)
 
 
-def _legacy_vmap_level() -> int:
-    """The nesting depth of PyTorch's legacy vmap (``torch._vmap_internals``), which is the level of its
-    innermost batched tensors."""
-    depth = torch._C._vmapmode_increment_nesting() - 1
-    torch._C._vmapmode_decrement_nesting()
-    return depth
-
-
 def _legacy_vmap_support(forward):
     """Let a Function's ``forward`` take tensors batched by PyTorch's legacy vmap.
 
@@ -119,26 +110,22 @@ def _legacy_vmap_support(forward):
 
     @functools.wraps(forward)
     def wrapper(*args):
-        if not any(isinstance(x, torch.Tensor) and is_legacy_batchedtensor(x) for x in args):
+        if not any(_compat.is_legacy_batched(x) for x in args):
             return forward(*args)
-        level = _legacy_vmap_level()
+        level = _compat.legacy_vmap_level()
         if level != 1:
             raise RuntimeError(
                 "flashbob.attention does not support nested legacy vmaps (torch._vmap_internals, used by "
                 "is_grads_batched=True and vectorize=True); use torch.func.vmap instead"
             )
-        batch_size = next(
-            torch._remove_batch_dim(x, level, 0, 0).shape[0]
-            for x in args
-            if isinstance(x, torch.Tensor) and is_legacy_batchedtensor(x)
-        )
-        physical = [
-            torch._remove_batch_dim(x, level, batch_size, 0) if isinstance(x, torch.Tensor) else x for x in args
-        ]
+        batch_size = next(_compat.remove_legacy_batch_dim(x, level, 0).shape[0]
+                          for x in args if _compat.is_legacy_batched(x))
+        physical = [_compat.remove_legacy_batch_dim(x, level, batch_size) if isinstance(x, torch.Tensor) else x
+                    for x in args]
         outputs = _vmapped(forward, batch_size, [0] * len(args), physical)
         if isinstance(outputs, torch.Tensor):
-            return torch._add_batch_dim(outputs, 0, level)
-        return tuple(torch._add_batch_dim(x, 0, level) for x in outputs)
+            return _compat.add_legacy_batch_dim(outputs, level)
+        return tuple(_compat.add_legacy_batch_dim(x, level) for x in outputs)
 
     wrapper.__signature__ = _POSITIONAL_ONLY
     return wrapper
@@ -153,9 +140,9 @@ def apply(function: type[torch.autograd.Function], *args):
     fill in defaults (none here: every caller passes all by position), ~15 us on the CPU, before it calls
     the C++ ``apply`` that this calls directly (after unwrapping tensors of finished transforms, as it does).
     Under a transform, ``function.apply`` itself, which routes the call through the transform's rules."""
-    if torch._C._are_functorch_transforms_active():
+    if _compat.functorch_transforms_active():
         return function.apply(*args)
-    return super(torch.autograd.Function, function).apply(*torch._functorch.utils.unwrap_dead_wrappers(args))
+    return super(torch.autograd.Function, function).apply(*_compat.unwrap_finished_transforms(args))
 
 
 def _masks(key_mask, q_ids, k_ids, tile_state, tile_bits, causal: bool, window) -> dict:

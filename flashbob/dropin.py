@@ -45,7 +45,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from flashbob import reference
+from flashbob import _compat, reference
 from flashbob.attention import attention
 from flashbob.inputs import accumulator_dtype, check_sdpa_arguments
 from flashbob.patching import Patch, Route
@@ -127,7 +127,7 @@ def _opaque_mask_reason(mask: torch.Tensor) -> str | None:
     mask whose values cannot be read cannot be classified. (torch.compile cannot trace the test for a torch.func
     transform's tensor; under it the values of a mask that is read break the graph there.)
     """
-    if not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(mask):
+    if not torch.compiler.is_compiling() and _compat.is_functorch_wrapped(mask):
         return "an attn_mask inside a torch.func transform (its values cannot be read, and it may carry derivatives)"
     if mask.requires_grad:
         return "an attn_mask that requires grad (a learnable bias, which needs its exact gradient)"

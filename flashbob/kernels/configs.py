@@ -48,9 +48,9 @@ from pathlib import Path
 
 import torch
 import triton
-from triton.runtime import _allocation
 
-from . import tracing, tuning
+from flashbob import _compat
+from flashbob.kernels import tracing, tuning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,7 +404,7 @@ def _gpu(args: tuple) -> tuple[int | None, str | None, str | None]:
 def _ensure_allocator() -> None:
     """Tensor descriptors made inside a kernel live in global scratch memory that Triton asks its allocator for;
     if this thread has none (Triton's default raises), give it one that takes the memory from torch."""
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+    if not _compat.triton_has_allocator():
         triton.set_allocator(_scratch)
 
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 import os
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor  # private: no public test for a tensor without data
-from torch._subclasses.functional_tensor import FunctionalTensor  # private, likewise (aot_autograd's wrapper)
+
+from flashbob import _compat
 
 
 def traced(args: tuple) -> bool:
     """Whether the first tensor of ``args`` is being traced (a fake or functional tensor)."""
     first = next((x for x in args if isinstance(x, torch.Tensor)), None)
-    return isinstance(first, (FakeTensor, FunctionalTensor))
+    return _compat.is_traced(first)
 
 
 def interpreted() -> bool:
