@@ -2,9 +2,9 @@
 
 Run on a CUDA machine from the checkout::
 
-    PYTHONPATH=. python benchmarks/check_gpu.py --out docs/results/accuracy.csv
-    PYTHONPATH=. python benchmarks/check_gpu.py --n 16384 --dtypes bf16      # one slice of the sweep
-    PYTHONPATH=. python benchmarks/check_gpu.py --memory --out docs/results/memory.csv
+    PYTHONPATH=. python tests/gpu/accuracy.py --out docs/results/accuracy.csv
+    PYTHONPATH=. python tests/gpu/accuracy.py --n 16384 --dtypes bf16      # one slice of the sweep
+    PYTHONPATH=. python tests/gpu/accuracy.py --memory --out docs/results/memory.csv
 
 Accuracy mode: for every N, head layout (H=16 with d=128 and d=64, and GQA H=16, Hkv=4 with
 d=128), causal or not, and dtype, random inputs and cotangents are rounded to the dtype and
@@ -24,7 +24,7 @@ backward, all heads at once) at the smallest N, expected to run out of memory.
 
 CPU smoke test of this script (Triton interpreter, tiny shapes; bf16 is wrong in the interpreter)::
 
-    PYTHONPATH=. python benchmarks/check_gpu.py --device cpu --interpret --n 40 --heads 4 \\
+    PYTHONPATH=. python tests/gpu/accuracy.py --device cpu --interpret --n 40 --heads 4 \\
         --gqa-kv-heads 2 --head-dims 32 16 --dtypes fp16 fp32 --out /tmp/accuracy.csv
 """
 

@@ -4,12 +4,12 @@ against a float64 oracle.
 
 Run on a CUDA machine from the checkout (``--seconds`` plus ~10 s)::
 
-    PYTHONPATH=. python benchmarks/stress_gpu.py --seconds 240 --out docs/results/stress.csv
-    PYTHONPATH=. python benchmarks/stress_gpu.py --case-seed 123456789          # replay one case
+    PYTHONPATH=. python tests/gpu/stress.py --seconds 240 --out docs/results/stress.csv
+    PYTHONPATH=. python tests/gpu/stress.py --case-seed 123456789          # replay one case
 
 CPU smoke test (Triton interpreter, tiny shapes; bf16 is wrong in the interpreter)::
 
-    PYTHONPATH=. python benchmarks/stress_gpu.py --device cpu --interpret --seconds 20 --max-len 40 \\
+    PYTHONPATH=. python tests/gpu/stress.py --device cpu --interpret --seconds 20 --max-len 40 \\
         --head-dims 16 40 --dtypes fp16 fp32 --out /tmp/stress.csv
 
 What a case is. Its compile-relevant half comes from one of ``--families`` fixed combinations
@@ -37,7 +37,7 @@ Each output's error is ``||x - exact|| / max(||exact||, sqrt(numel))``: relative
 that vanish in exact arithmetic (dQ or BoB's outputs with one visible key, every output of rows that
 see no key), which are held to an absolute error per element (inputs are O(1), so outputs are
 O(1) per element). A case PASSes when every output is finite and its error is at most ``RATIO``
-times eager's plus ``SLACK[dtype]`` (machine epsilon for half precision; 1e-5 for fp32, check_gpu.py's
+times eager's plus ``SLACK[dtype]`` (machine epsilon for half precision; 1e-5 for fp32, accuracy.py's
 bar). The summary gives the cases, PASS/FAIL/ERROR/OOM counts with every failure's seed and
 parameters, cases/s, error ratios per dtype, the Triton compile keys the run needed, and coverage
 counts; ``--out`` gets one CSV row per family, ``--cases-out`` one per case.

@@ -2,7 +2,7 @@
 # The checks to run on a CUDA machine after any change to the kernels (or to what launches them), from the
 # checkout, with the dev extra's packages importable:
 #
-#   bash benchmarks/verify_gpu.sh OUT_DIR [CHECK ...]     (CHECK: suite, stress, accuracy; default all three)
+#   bash tests/gpu/verify.sh OUT_DIR [CHECK ...]     (CHECK: suite, stress, accuracy; default all three)
 #
 # 1. the whole test suite, whose kernel tests then run on the GPU (OUT_DIR/suite.txt);
 # 2. the randomised stress test against a float64 oracle for STRESS_SECONDS (default 200: about 50,000
@@ -13,11 +13,11 @@
 # default 8), STRESS_SECONDS, ACCURACY_LENGTHS (default "1024 4096"; 16384 runs on its own at d = 128
 # unless SKIP_16K=1), FLASHBOB_AUTOTUNE (default 0: the shipped table's configs, no tuning).
 set -uo pipefail
-out=${1:?usage: bash benchmarks/verify_gpu.sh OUT_DIR [suite] [stress] [accuracy]}
+out=${1:?usage: bash tests/gpu/verify.sh OUT_DIR [suite] [stress] [accuracy]}
 shift
 checks=" ${*:-suite stress accuracy} "
 out=$(mkdir -p "$out" && cd "$out" && pwd) || exit
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} FLASHBOB_AUTOTUNE=${FLASHBOB_AUTOTUNE:-0}
 suite=0 stress=0 accuracy=0 others=0 failures=0
 if [[ $checks == *" suite "* ]]; then
@@ -26,7 +26,7 @@ if [[ $checks == *" suite "* ]]; then
     echo "suite (exit $suite): $(tail -n 1 "$out/suite.txt")"
 fi
 if [[ $checks == *" stress "* ]]; then
-    python3 benchmarks/stress_gpu.py --seconds "${STRESS_SECONDS:-200}" --out "$out/stress.csv" >"$out/stress.txt" 2>&1
+    python3 tests/gpu/stress.py --seconds "${STRESS_SECONDS:-200}" --out "$out/stress.csv" >"$out/stress.txt" 2>&1
     stress=$?
     echo "stress (exit $stress): $(grep -m1 -E '^[0-9]+ cases in' "$out/stress.txt")"
     failures=$(grep -m1 -oE 'failures: [0-9]+' "$out/stress.txt")
@@ -34,12 +34,12 @@ if [[ $checks == *" stress "* ]]; then
     failures=${failures:-1}
 fi
 if [[ $checks == *" accuracy "* ]]; then
-    rm -f "$out/accuracy.csv"  # check_gpu.py appends
-    python3 benchmarks/check_gpu.py --n ${ACCURACY_LENGTHS:-1024 4096} --head-dims 128 64 \
+    rm -f "$out/accuracy.csv"  # accuracy.py appends
+    python3 tests/gpu/accuracy.py --n ${ACCURACY_LENGTHS:-1024 4096} --head-dims 128 64 \
         --out "$out/accuracy.csv" >"$out/accuracy.txt" 2>&1
     accuracy=$?
     if [ "${SKIP_16K:-0}" != 1 ]; then
-        python3 benchmarks/check_gpu.py --n 16384 --head-dims 128 --out "$out/accuracy.csv" >>"$out/accuracy.txt" 2>&1
+        python3 tests/gpu/accuracy.py --n 16384 --head-dims 128 --out "$out/accuracy.csv" >>"$out/accuracy.txt" 2>&1
         accuracy=$((accuracy || $?))
     fi
     rows=$(tr -d '\r' <"$out/accuracy.csv" | tail -n +2)
