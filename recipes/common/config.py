@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import sys
+from dataclasses import dataclass, field, make_dataclass
 from pathlib import PurePath
 from typing import Callable, Iterable, Optional
 
@@ -39,12 +41,37 @@ class TrainConfig:
 
 @dataclass
 class LoggerConfig:
-    """Where a recipe logs; each recipe subclasses it only to name its own W&B project."""
+    """Where a recipe logs; :func:`recipe_schema` names the W&B project after the recipe."""
 
     kind: str = "wandb"  # wandb | none (metrics.jsonl is written either way)
     project: str = "flashbob"  # W&B project
     entity: Optional[str] = None  # W&B entity (team or user); None: your default
     wandb_mode: str = "offline"  # offline (files only, `wandb sync` later) | online (needs `wandb login`) | disabled
+
+
+@dataclass
+class TransformerConfig:
+    """Settings of the :class:`~recipes.common.transformer.Transformer` that the meta and TTT recipes build;
+    each subclasses it with its own (and may change these defaults)."""
+
+    d_model: int = 64  # width of the residual stream
+    n_layers: int = 2  # transformer blocks
+    n_heads: int = 4  # heads; head_dim = d_model / n_heads (must be even, for RoPE)
+    mlp_ratio: float = 4.0  # MLP hidden width / d_model
+    attention: str = "auto"  # flashbob backend auto (Triton on CUDA, else blocked) | triton | blocked, or eager (naive)
+
+
+def recipe_schema(recipe: str, name: str, **sections: type) -> type:
+    """The config schema of the recipe ``recipe``: a dataclass of the run's ``name`` (its outputs go to
+    ``<out_dir>/<name>``), ``out_dir`` (default ``runs``), the recipe's ``sections`` (dataclasses, by key, in
+    order: ``model``, ``train``, ...) and ``logger``, whose W&B project is ``flashbob-<recipe>``."""
+    logger = functools.partial(LoggerConfig, project=f"flashbob-{recipe}")
+    fields = [("name", str, field(default=name)), ("out_dir", str, field(default="runs")),
+              *((key, section, field(default_factory=section)) for key, section in sections.items()),
+              ("logger", LoggerConfig, field(default_factory=logger))]
+    # the caller's module, as namedtuple (and make_dataclass from Python 3.12 on) sets it: its configs pickle
+    module = sys._getframe(1).f_globals.get("__name__", "__main__")
+    return make_dataclass("Config", fields, namespace={"__module__": module})
 
 
 # Keys of earlier versions, refused with their new spelling: one attention setting in every recipe.

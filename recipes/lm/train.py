@@ -107,20 +107,9 @@ class TrainConfig(configs.TrainConfig):
     # passes they differentiate twice eagerly: torch.compile cannot differentiate a compiled graph twice)
 
 
-@dataclass
-class LoggerConfig(configs.LoggerConfig):
-    project: str = "flashbob-lm"  # W&B project (kind, entity, wandb_mode: see recipes.common.config)
-
-
-@dataclass
-class Config:
-    name: str = "tiny"  # run name: outputs go to <out_dir>/<name>
-    out_dir: str = "runs"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
+# name (outputs go to <out_dir>/<name>), out_dir, the sections above, and logger (W&B project flashbob-lm)
+Config = configs.recipe_schema("lm", name="tiny", model=ModelConfig, data=DataConfig, optimizer=OptimizerConfig,
+                               train=TrainConfig)
 
 
 CHOICES = {

@@ -17,7 +17,7 @@ adapted to and scored.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -33,13 +33,11 @@ from recipes.meta.tasks import FAMILIES, TaskStream
 
 
 @dataclass
-class ModelConfig:
-    d_model: int = 64  # width of the residual stream
-    n_layers: int = 2  # transformer blocks
-    n_heads: int = 4  # heads; head_dim = d_model / n_heads (must be even, for RoPE)
+class ModelConfig(configs.TransformerConfig):
+    """The classifier: width, depth, heads and attention (see the base class), and:"""
+
     mlp_ratio: float = 2.0  # MLP hidden width / d_model
     causal: bool = False  # causal attention (the classifier mean-pools every position either way)
-    attention: str = "auto"  # flashbob backend auto (Triton on CUDA, else blocked) | triton | blocked, or eager (naive)
 
 
 @dataclass
@@ -80,21 +78,9 @@ class TrainConfig(configs.TrainConfig):
     eval_tasks: int = 32  # held-out meta-test tasks per evaluation (the same ones every time)
 
 
-@dataclass
-class LoggerConfig(configs.LoggerConfig):
-    project: str = "flashbob-meta"  # W&B project (kind, entity, wandb_mode: see recipes.common.config)
-
-
-@dataclass
-class Config:
-    name: str = "meta"  # run name: outputs go to <out_dir>/<name>
-    out_dir: str = "runs"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
-    maml: MAMLConfig = field(default_factory=MAMLConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
+# name (outputs go to <out_dir>/<name>), out_dir, the sections above, and logger (W&B project flashbob-meta)
+Config = configs.recipe_schema("meta", name="meta", model=ModelConfig, task=TaskConfig, maml=MAMLConfig,
+                               optimizer=OptimizerConfig, train=TrainConfig)
 
 
 CHOICES = {

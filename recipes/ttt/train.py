@@ -21,7 +21,7 @@ rejected with an error naming the key. A run writes to ``<out_dir>/<name>/``: th
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -37,12 +37,9 @@ from recipes.ttt import ttt
 
 
 @dataclass
-class ModelConfig:
-    d_model: int = 64  # width of the residual stream
-    n_layers: int = 2  # transformer blocks
-    n_heads: int = 4  # heads; head_dim = d_model / n_heads (must be even, for RoPE)
-    mlp_ratio: float = 4.0  # MLP hidden width / d_model
-    attention: str = "auto"  # flashbob backend auto (Triton on CUDA, else blocked) | triton | blocked, or eager (naive)
+class ModelConfig(configs.TransformerConfig):
+    """The language model: width, depth, heads, MLP and attention (see the base class), and:"""
+
     window: Optional[int] = None  # sliding window: each token attends to itself and the window - 1 before it; None: all
 
 
@@ -85,21 +82,9 @@ class TrainConfig(configs.TrainConfig):
     eval_batches: int = 8  # fixed validation batches per evaluation
 
 
-@dataclass
-class LoggerConfig(configs.LoggerConfig):
-    project: str = "flashbob-ttt"  # W&B project (kind, entity, wandb_mode: see recipes.common.config)
-
-
-@dataclass
-class Config:
-    name: str = "ttt"  # run name: outputs go to <out_dir>/<name>
-    out_dir: str = "runs"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    ttt: TTTConfig = field(default_factory=TTTConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
+# name (outputs go to <out_dir>/<name>), out_dir, the sections above, and logger (W&B project flashbob-ttt)
+Config = configs.recipe_schema("ttt", name="ttt", model=ModelConfig, data=DataConfig, ttt=TTTConfig,
+                               optimizer=OptimizerConfig, train=TrainConfig)
 
 
 CHOICES = {
