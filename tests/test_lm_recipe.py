@@ -16,7 +16,7 @@ import torch
 from omegaconf import OmegaConf
 from wandb.proto import wandb_internal_pb2
 
-from optim.curvature import functional, hvp
+from optim import functional, hvp
 from recipes.common import checkpoint, data, run_folder
 from recipes.common.config import ConfigError
 from recipes.common.transformer import Transformer, silu
@@ -305,6 +305,24 @@ def test_second_order_optimizers_train(name, tmp_path):
     rows = [row for row in read_jsonl(tmp_path / "tiny" / "metrics.jsonl") if "train/loss" in row]
     assert len(rows) == 3 and all(np.isfinite(row["train/loss"]) for row in rows)
     assert any(key.startswith("optimizer/") for key in rows[-1])
+    assert "NaN" not in (tmp_path / "tiny" / "metrics.jsonl").read_text()
+
+
+@pytest.mark.parametrize(("name", "statistic", "settings"), [
+    ("sophiah", "hessian_rows", ["optimizer.kwargs={update_period: 2}"]),
+    ("newtoncg", "reduction_ratio", ["optimizer.kwargs={max_cg_iters: 3, backtrack: false, line_search: false, "
+                                     "adapt_damping: false}"]),
+])
+def test_an_optimizer_statistic_without_a_value_is_left_out_of_the_log(name, statistic, settings, tmp_path):
+    """The optimizers write NaN where a statistic has no value at a step: SophiaH's ``hessian_rows`` on the steps
+    between refreshes, NewtonCG's ``reduction_ratio`` without a line search. The log leaves it out of those rows
+    (so the comparison's CSV cell is empty), and has it on the others."""
+    train(LM.config(tmp_path, f"optimizer.name={name}", "optimizer.lr=1e-3", "train.steps=3", *settings))
+    rows = [row for row in read_jsonl(tmp_path / "tiny" / "metrics.jsonl") if "train/loss" in row]
+    has = [f"optimizer/{statistic}" in row for row in rows]
+    assert has == ([True, False, True] if name == "sophiah" else [False] * 3)
+    assert all("optimizer/step_skipped" in row for row in rows)
+    assert "NaN" not in (tmp_path / "tiny" / "metrics.jsonl").read_text()
 
 
 @pytest.mark.parametrize("name", ["adamw", "sophiah"])

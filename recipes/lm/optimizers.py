@@ -101,13 +101,19 @@ def build_optimizer(model: nn.Module, name: str, settings: dict, kwargs: dict, w
 
 
 def optimizer_stats(opt: torch.optim.Optimizer) -> dict[str, float]:
-    """The numbers in the optimizer's ``stats`` dict (if it keeps one), as floats."""
+    """The numbers in the optimizer's ``stats`` dict (if it keeps one), as floats, leaving out the NaNs: an
+    optimizer writes NaN where a statistic has no value at that step (SophiaH's ``hessian_rows`` on a step
+    without a refresh, NewtonCG's ``reduction_ratio`` without a line search), so the logs hold no placeholder."""
     stats = {}
     for key, value in getattr(opt, "stats", {}).items():
         if isinstance(value, torch.Tensor) and value.numel() == 1:
-            stats[key] = value.item()
+            value = value.item()
         elif isinstance(value, numbers.Real):
-            stats[key] = float(value)
+            value = float(value)
+        else:
+            continue
+        if not math.isnan(value):
+            stats[key] = value
     return stats
 
 
