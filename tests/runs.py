@@ -30,6 +30,7 @@ class Recipe(NamedTuple):
     micro: tuple[str, ...]  # settings on top of its tiny config
     run: str  # the run folder of its tiny config
     printed: str  # a metric its command line prints at the end
+    val_loss: str  # the validation loss its progress bar shows as val=
 
     @property
     def configs(self) -> Path:
@@ -49,18 +50,18 @@ LM = Recipe("lm", lm.load_config, lm.train, lm_command.main, (
     "data.max_bytes=200000", "data.val_fraction=0.1", "data.context_length=64", "data.batch_size=4",
     "optimizer.lr=1e-2", "optimizer.warmup_steps=4", "train.steps=20", "train.eval_interval=10",
     "train.eval_batches=2", "train.log_interval=1", "train.progress=false", "logger.kind=none",
-), "tiny", "val/loss")
+), "tiny", "val/loss", "val/loss")
 META = Recipe("meta", meta.load_config, meta.train, meta_command.main, (
     "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "task.seq_len=12", "task.k_query=3",
     "maml.meta_batch=2", "train.steps=12", "train.eval_interval=6", "train.eval_tasks=6", "train.log_interval=1",
     "train.progress=false", "logger.kind=none",
-), "meta_tiny", "meta_test/query_accuracy")
+), "meta_tiny", "meta_test/query_accuracy", "meta_test/query_loss")
 TTT = Recipe("ttt", ttt.load_config, ttt.train, ttt_command.main, (
     "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "data.max_bytes=200000", "data.val_fraction=0.1",
     "data.context_length=32", "data.continuation_length=16", "data.batch_size=4", "train.steps=10",
     "train.eval_interval=5", "train.eval_batches=2", "train.log_interval=1", "train.progress=false",
     "logger.kind=none",
-), "ttt_tiny", "val/ttt_gain")
+), "ttt_tiny", "val/ttt_gain", "val/loss_ttt")
 RECIPES = {recipe.name: recipe for recipe in (LM, META, TTT)}
 
 

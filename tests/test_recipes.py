@@ -1,18 +1,24 @@
 """What the three recipes share, on each at micro scale on the CPU: a bad setting is rejected naming
-its key (the command line exits with the message), a resumed run continues exactly, and
-``--resume auto`` continues the metrics log and the same offline W&B run."""
+its key (the command line exits with the message), a resumed run continues exactly,
+``--resume auto`` continues the metrics log and the same offline W&B run, the progress bar shows the
+last validation loss, and the end of a run says where its outputs are and how long it took."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from recipes.common import checkpoint, cli
+from recipes.common import checkpoint, cli, progress
 from recipes.common.config import ConfigError
-from tests.runs import RECIPES, read_jsonl
+from tests.runs import RECIPES, ROOT, read_jsonl
 
 NAME_ERROR = "name must be a relative folder name inside out_dir, without '..'; got "
 # The rules of recipes/common, which every recipe applies: overrides, what the error says.
@@ -145,3 +151,60 @@ def test_command_line_resume_auto_and_wandb_offline(tmp_path, capsys, recipe):
     assert len(run_files) == 2 and all(run.printed.encode() in f.read_bytes() for f in run_files)
     run_id = (tmp_path / run.run / "wandb_run_id").read_text().strip()
     assert all(f.name == f"run-{run_id}.wandb" for f in run_files), "the resumed process continues the same W&B run"
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_progress_bar_shows_the_last_validation_loss(tmp_path, recipe):
+    """Drawn at every step (``TQDM_MININTERVAL=0``, which tqdm reads when imported: a process of its own), the
+    bar shows ``val=`` from the first evaluation on, with the value of the latest one."""
+    run = RECIPES[recipe]
+    done = subprocess.run([sys.executable, "-m", f"recipes.{recipe}", *run.arguments(tmp_path, "train.progress=true")],
+                          cwd=ROOT, env={**os.environ, "TQDM_MININTERVAL": "0"}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    shown = {}  # step: the bar's last drawing at that step
+    for drawing in re.split(r"[\r\n]", done.stderr):
+        counted = re.search(r"\| (\d+)/\d+ \[", drawing)
+        if counted:
+            shown[int(counted[1])] = drawing
+    evaluated = {row["step"]: row[run.val_loss] for row in read_jsonl(tmp_path / run.run / "metrics.jsonl")
+                 if run.val_loss in row}
+    assert len(evaluated) >= 2 and sorted(shown) == list(range(max(shown) + 1))
+    latest = None
+    for step in range(1, max(shown) + 1):
+        latest = evaluated.get(step, latest)
+        assert "loss=" in shown[step]
+        assert ("val=" in shown[step]) == (latest is not None), shown[step]
+        assert latest is None or f"val={latest:.3f}" in shown[step], shown[step]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_end_of_a_run_says_where_its_outputs_are_and_how_long_it_took(tmp_path, capsys, recipe):
+    """After the last step the command line prints the steps trained and the wall time, then the run folder,
+    config, metrics log, last checkpoint and offline W&B folder (with the command that uploads it), each of
+    which exists; then the summary metrics."""
+    run = RECIPES[recipe]
+    start = time.perf_counter()
+    run.main(run.arguments(tmp_path, "train.steps=3", "logger.kind=wandb"))
+    elapsed = time.perf_counter() - start
+    err = capsys.readouterr().err.splitlines()
+    run_dir = tmp_path / run.run
+    (wandb_dir,) = (run_dir / "wandb").glob("offline-run-*")
+    places = [f"  run folder   {run_dir}", f"  config       {run_dir / 'config.yaml'}",
+              f"  metrics      {run_dir / 'metrics.jsonl'}",
+              f"  checkpoint   {run_dir / 'checkpoints' / 'step_00000003.pt'}",
+              f"  W&B offline  {wandb_dir}", f"  upload       wandb sync {wandb_dir}"]
+    assert err[-len(places) - 1 : -1] == places
+    assert all(Path(line.split()[-1]).exists() for line in places)
+    heading = re.fullmatch(rf"{run.run}: trained steps 1-3 of 3; wall time (\d+\.\d) s", err[-len(places) - 2])
+    assert heading and 0 < float(heading[1]) <= elapsed + 0.05
+    assert f"{run.printed}=" in err[-1]
+
+
+def test_durations_and_a_stopped_run_read_as_a_person_says_them(tmp_path):
+    assert [progress.duration(s) for s in (0.04, 8.24, 59.94, 59.96, 185, 3599.4, 3599.6, 7620, 90_000)] == [
+        "0.0 s", "8.2 s", "59.9 s", "1 min 00 s", "3 min 05 s", "59 min 59 s", "1 h 00 min", "2 h 07 min",
+        "25 h 00 min"]
+    lines = progress.report("tiny", tmp_path, 11, 12, 20, 75.0, None, {}).splitlines()
+    assert lines[0] == "tiny: trained steps 11-12 of 20 (stopped by train.max_seconds); wall time 1 min 15 s"
+    assert [line.split()[0] for line in lines[1:]] == ["run", "config", "metrics"], "no checkpoint, no W&B: not named"

@@ -36,6 +36,7 @@ class RunLogger:
         drop_rows_after(self.path, start_step)
         self.file = open(self.path, "a", encoding="utf-8")
         self.run = None
+        self.wandb: dict[str, str] = {}  # where W&B keeps the run, for a person: its offline folder or online page
         if kind == "wandb":
             import wandb
 
@@ -50,6 +51,11 @@ class RunLogger:
                 resume="allow",
                 settings=wandb.Settings(silent=True, console="off"),
             )
+            if wandb_mode == "offline":
+                folder = self.run.settings.sync_dir
+                self.wandb = {"W&B offline": folder, "upload": f"wandb sync {folder}"}
+            elif wandb_mode == "online":
+                self.wandb = {"W&B": self.run.url}
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record ``metrics`` at ``step`` (JSONL lines also carry the wall-clock ``time``)."""

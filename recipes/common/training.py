@@ -11,10 +11,12 @@
         every train.log_interval steps (and the first and last): log the step's metrics
         every train.eval_interval steps (and the last; the first too if the recipe asks): evaluate and log
         every train.checkpoint_interval steps (and the last): write a checkpoint
+    say which steps it trained, its wall time, and where its outputs are
 
-Under ``torchrun`` (the LM recipe trains data parallel) every process runs the loop; rank 0 alone
-claims the folder, logs, shows progress and writes checkpoints, which hold every rank's
-random-number states.
+The progress bar shows each step's loss and the last validation loss (``val``). Under ``torchrun``
+(the LM recipe trains data parallel) every process runs the loop; rank 0 alone claims the folder,
+logs, shows progress, writes checkpoints (which hold every rank's random-number states) and says
+where the outputs are.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from recipes.common import checkpoint, distributed, run_folder
+from recipes.common import checkpoint, distributed, progress, run_folder
 from recipes.common.config import ConfigError, resolve_device
 from recipes.common.logger import RunLogger
 
@@ -58,6 +60,7 @@ class Recipe:
             each checkpoint saves their ``state_dict()`` and a resume restores them (``None``: none).
         step: One training step.
         evaluate: Held-out metrics of the current weights.
+        val_loss: The metric of ``evaluate`` the progress bar shows as ``val``.
         generator: The optimizer's own random generator (its probes), checkpointed with the global
             ones; ``None`` if it has none.
         evaluate_first_step: Evaluate after the first step too (the baseline of later evaluations).
@@ -66,6 +69,7 @@ class Recipe:
     parts: dict[str, Any]
     step: Callable[[], StepResult]
     evaluate: Callable[[], dict[str, float]]
+    val_loss: str
     generator: torch.Generator | None = None
     evaluate_first_step: bool = False
 
@@ -80,6 +84,7 @@ def run(cfg: DictConfig, build: Build, *, data_parallel: bool = False) -> dict[s
     With ``data_parallel`` the process joins the process group ``torchrun`` describes, if any. A recipe
     without it runs in one process: started as several (``WORLD_SIZE`` > 1) it raises :class:`ConfigError`.
     """
+    started = time.perf_counter()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if not data_parallel and world_size > 1:
         raise ConfigError(f"this recipe trains in one process, but {world_size} were started (WORLD_SIZE, "
@@ -89,13 +94,13 @@ def run(cfg: DictConfig, build: Build, *, data_parallel: bool = False) -> dict[s
     ctx = distributed.setup(device.type) if data_parallel else distributed.Context(device=device)
     try:
         with run_folder.claim(run_dir) if ctx.is_main else contextlib.nullcontext():
-            return _run(cfg, run_dir, build, ctx, autocast_dtype)
+            return _run(cfg, run_dir, build, ctx, autocast_dtype, started)
     finally:
         distributed.teardown(ctx)
 
 
 def _run(cfg: DictConfig, run_dir: Path, build: Build, ctx: distributed.Context,
-         autocast_dtype: torch.dtype | None) -> dict[str, float]:
+         autocast_dtype: torch.dtype | None, started: float) -> dict[str, float]:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
@@ -116,12 +121,14 @@ def _run(cfg: DictConfig, run_dir: Path, build: Build, ctx: distributed.Context,
     if step >= cfg.train.steps:
         return finished(run_dir, step, cfg.train.steps, ctx)
 
-    def save_checkpoint() -> None:
+    def save_checkpoint() -> Path | None:
+        """Write a checkpoint of this step; its path on rank 0, ``None`` on the others."""
         rngs = distributed.gather(checkpoint.rng_states(recipe.generator), ctx)  # a collective: every rank takes part
-        if ctx.is_main:
-            state = {**run_folder.snapshot(**recipe.parts), "rng": rngs[0], "rng_ranks": rngs, "step": step,
-                     "world_size": ctx.world_size, "config": OmegaConf.to_container(cfg)}
-            checkpoint.save(run_dir / "checkpoints", step, state, keep=cfg.train.keep_checkpoints)
+        if not ctx.is_main:
+            return None
+        state = {**run_folder.snapshot(**recipe.parts), "rng": rngs[0], "rng_ranks": rngs, "step": step,
+                 "world_size": ctx.world_size, "config": OmegaConf.to_container(cfg)}
+        return checkpoint.save(run_dir / "checkpoints", step, state, keep=cfg.train.keep_checkpoints)
 
     logger = None
     if ctx.is_main:
@@ -132,7 +139,7 @@ def _run(cfg: DictConfig, run_dir: Path, build: Build, ctx: distributed.Context,
     t = cfg.train
     last: dict[str, float] = {}
     bar = tqdm(total=t.steps, initial=step, disable=not (t.progress and ctx.is_main), desc=cfg.name, unit="step")
-    first_step, trained_s, final = step + 1, 0.0, False
+    first_step, trained_s, final, saved = step + 1, 0.0, False, None
     try:
         while step < t.steps and not final:
             start = time.perf_counter()
@@ -143,8 +150,6 @@ def _run(cfg: DictConfig, run_dir: Path, build: Build, ctx: distributed.Context,
                 raise FloatingPointError(f"training loss became {result.loss} at step {step}")
             trained_s += elapsed if step > first_step else 0.0
             final = step == t.steps or out_of_time(trained_s, t.max_seconds, ctx)
-            bar.update()
-            bar.set_postfix(loss=f"{result.loss:.3f}", **result.progress, refresh=False)
             metrics = {}
             if step % t.log_interval == 0 or step == 1 or final:
                 metrics.update(result.metrics(elapsed))
@@ -154,13 +159,18 @@ def _run(cfg: DictConfig, run_dir: Path, build: Build, ctx: distributed.Context,
                 if logger is not None:
                     logger.log(step, metrics)
                 last.update(metrics)
+            bar.set_postfix(progress.postfix(result.loss, last.get(recipe.val_loss), result.progress), refresh=False)
+            bar.update()
             if (t.checkpoint_interval and step % t.checkpoint_interval == 0) or final:
-                save_checkpoint()
+                saved = save_checkpoint()
         distributed.barrier(ctx)  # rank 0's last checkpoint and logs are written when any rank returns
     finally:
         bar.close()
         if logger is not None:
             logger.close()
+    if ctx.is_main:
+        print(progress.report(cfg.name, run_dir, first_step, step, t.steps, time.perf_counter() - started, saved,
+                              logger.wandb), file=sys.stderr)
     return last
 
 

@@ -319,7 +319,7 @@ def build(cfg: DictConfig, device: torch.device, autocast: Autocast, ctx: distri
         return {"val/loss": val, "val/perplexity": math.exp(val)}
 
     parts = {"model": model, "optimizer": opt, "scheduler": scheduler, "data": train_batches}
-    return Recipe(parts, step, validation, generator=getattr(opt, "generator", None))
+    return Recipe(parts, step, validation, "val/loss", generator=getattr(opt, "generator", None))
 
 
 def train(cfg: DictConfig) -> dict[str, float]:

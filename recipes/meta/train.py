@@ -158,7 +158,7 @@ def build(cfg: DictConfig, device: torch.device, autocast: Autocast, ctx: distri
         return {f"meta_test/query_{key}": value for key, value in result.items()}
 
     parts = {"model": model, "optimizer": meta_opt, "tasks": train_tasks}
-    return Recipe(parts, step, meta_test, evaluate_first_step=True)
+    return Recipe(parts, step, meta_test, "meta_test/query_loss", evaluate_first_step=True)
 
 
 def train(cfg: DictConfig) -> dict[str, float]:

@@ -178,7 +178,8 @@ def build(cfg: DictConfig, device: torch.device, autocast: Autocast, ctx: distri
         return evaluate(model, val_batches, cfg.train.eval_batches, cfg, device, autocast)
 
     parts = {"model": model, "optimizer": opt, "scheduler": scheduler, "data": train_batches}
-    return Recipe(parts, step, validation, evaluate_first_step=True)
+    val_loss = "val/loss_ttt" if t.inner_steps else "val/loss_no_ttt"
+    return Recipe(parts, step, validation, val_loss, evaluate_first_step=True)
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
