@@ -8,8 +8,8 @@ hidden states ``(1, T, d)``, so the logits are bf16 (T = V = 32,768: 2 GiB). ``e
 ``max_memory_allocated`` during one call minus ``memory_allocated`` before it (logits, graph and operator
 already held), reported as a multiple of the bf16 logits; ``ms`` is the mean of ``--reps`` further calls. Each
 product runs with the default chunk (``optim.curvature.DEFAULT_CHUNK_ELEMENTS`` logits) and with
-``--small-chunk`` logits; forward mode with PyTorch's tangent rules and with ``lean_tangents=True``. Issue
-21's target: one GGN product within 2x the bf16 logits.
+``--small-chunk`` logits; forward mode with PyTorch's tangent rules and with ``lean_tangents=True``. The
+target (docs/curvature.md): one GGN product within 2x the bf16 logits.
 
 CPU smoke test (times only, no memory figures)::
 

@@ -52,7 +52,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import flashbob
 import optim
 from benchmarks.results import write_rows
-from benchmarks.timing import median_ms, wall_median_ms
+from benchmarks.timing import timed_with_peak
 from recipes.lm import model as lm_model
 
 VOCAB = 256
@@ -144,17 +144,6 @@ def relative_difference(got, want) -> float:
     return float((flat[0] - flat[1]).norm() / flat[1].norm())
 
 
-def measure(fn: Callable, device: str, warmup: int, reps: int) -> tuple[float, float | None]:
-    """Median time in ms and peak memory in GiB (None on the CPU) of ``fn()``."""
-    for _ in range(warmup):
-        fn()
-    if device != "cuda":
-        return wall_median_ms(fn, reps), None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    return median_ms(fn, reps), torch.cuda.max_memory_allocated() / 2**30
-
-
 def run_group(group: dict[str, Callable], reference: str | None, context: int, kind: str, args) -> list[dict]:
     """One row per workload of ``group``: time, peak memory, and the difference to ``reference``'s product."""
     rows, want = [], None
@@ -168,7 +157,7 @@ def run_group(group: dict[str, Callable], reference: str | None, context: int, k
             elif want is not None:
                 row["rel_diff"] = relative_difference(got, want)
             del got
-            row["ms"], row["peak_gib"] = measure(fn, args.device, args.warmup, args.reps)
+            row["ms"], row["peak_gib"] = timed_with_peak(fn, args.warmup, args.reps, args.device)
         except torch.cuda.OutOfMemoryError:
             row["status"] = "oom"
         if args.device == "cuda":

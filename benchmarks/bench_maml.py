@@ -12,7 +12,7 @@ implementation stops at its first failure. Per context: the median (and min) tim
 ``torch.cuda.max_memory_allocated`` over them. Rows are appended to the CSV ``--out`` as they are
 measured, so a crash loses nothing already measured; a table is printed at the end.
 
-    python benchmarks/bench_maml.py --out docs/results/maml_scale.csv                   # H200: 1K .. 128K
+    python benchmarks/bench_maml.py --out docs/results/maml_scale.csv                   # a GPU, from 1K up
     python benchmarks/bench_maml.py --device cpu --max-context 256 --out /tmp/maml.csv  # smoke test
 """
 

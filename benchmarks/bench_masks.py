@@ -33,7 +33,7 @@ import torch
 
 import flashbob
 from benchmarks.results import write_rows
-from benchmarks.timing import FLOPS_PER_NMD, median_ms, wall_median_ms
+from benchmarks.timing import FLOPS_PER_NMD, timed_with_peak
 from flashbob import masks, reference
 
 COLUMNS = ("part", "case", "dtype", "n", "ms", "tflops", "peak_gib", "ms_per_ktoken", "baseline_ms", "ratio",
@@ -71,18 +71,6 @@ def fwd_bwd(attend: Callable, q, k, v) -> Callable[[], object]:
     return lambda: torch.autograd.grad(attend(q, k, v), (q, k, v), do)
 
 
-def timed(run: Callable, warmup: int, reps: int, device: str) -> tuple[float, float | None]:
-    """Median time (ms) of ``run`` and its peak memory (GiB, GPU only)."""
-    for _ in range(warmup):
-        run()
-    if device != "cuda":
-        return wall_median_ms(run, reps), None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    ms = median_ms(run, reps)
-    return ms, torch.cuda.max_memory_allocated() / 2**30
-
-
 def tflops(workload: str, ms: float, area: float, heads: int, head_dim: int) -> float:
     return FLOPS_PER_NMD[workload] * area * head_dim * heads / (ms * 1e-3) / 1e12
 
@@ -108,7 +96,7 @@ def window_rows(args) -> list[dict]:
 
 
 def measured(run, workload: str, area: float, n: int, args) -> dict:
-    ms, peak = timed(run, args.warmup, args.reps, args.device)
+    ms, peak = timed_with_peak(run, args.warmup, args.reps, args.device)
     return {"ms": round(ms, 3), "tflops": float(f"{tflops(workload, ms, area, args.heads, args.head_dim):.4g}"),
             "peak_gib": None if peak is None else round(peak, 3), "ms_per_ktoken": round(ms / n * 1024, 4),
             "status": "ok"}
@@ -147,6 +135,23 @@ def documents_rows(args) -> list[dict]:
     return [row, single]
 
 
+def paired_rows(part: str, cases: dict[str, Callable], subject: str, baseline: str, workload: str, area: float,
+                n: int, args) -> list[dict]:
+    """One row per case (name: attention function) of ``workload`` on fresh inputs of length ``n``; the
+    ``subject``'s row gets the ``baseline``'s time and their ratio."""
+    make = fwd_bwd_bob if workload == "fwd_bwd_bob" else fwd_bwd
+    q, k, v = inputs(n, args.heads, args.head_dim, args.dtype, args.device)
+    rows = {}
+    for case, attend in cases.items():
+        rows[case] = {"part": part, "case": case, "dtype": str(args.dtype).removeprefix("torch."), "n": n}
+        rows[case].update(guarded(lambda attend=attend: measured(make(attend, q, k, v), workload, area, n, args)))
+    if "ms" in rows[subject] and "ms" in rows[baseline]:
+        rows[subject]["baseline_ms"] = rows[baseline]["ms"]
+        rows[subject]["ratio"] = round(rows[subject]["ms"] / rows[baseline]["ms"], 3)
+    empty_cache(args.device)
+    return list(rows.values())
+
+
 def block_mask_rows(args) -> list[dict]:
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -155,21 +160,10 @@ def block_mask_rows(args) -> list[dict]:
     for n in args.block_mask_lengths:
         block_mask = create_block_mask(lambda b, h, i, j: (i >= j) & (i - j < window), None, None, n, n,
                                        device=args.device)
-        q, k, v = inputs(n, args.heads, args.head_dim, args.dtype, args.device)
-        area = visible_area(n, window)
-        results = {}
-        for case, attend in (("window=", lambda q, k, v: flashbob.attention(q, k, v, causal=True,
-                                                                             window=(window - 1, 0))),
-                             ("block_mask=", lambda q, k, v: flashbob.attention(q, k, v, block_mask=block_mask))):
-            row = {"part": "block_mask", "case": case, "dtype": str(args.dtype).removeprefix("torch."), "n": n}
-            row.update(guarded(lambda attend=attend: measured(fwd_bwd_bob(attend, q, k, v), "fwd_bwd_bob", area, n,
-                                                              args)))
-            results[case] = row
-            rows.append(row)
-        if "ms" in results["block_mask="] and "ms" in results["window="]:
-            results["block_mask="]["baseline_ms"] = results["window="]["ms"]
-            results["block_mask="]["ratio"] = round(results["block_mask="]["ms"] / results["window="]["ms"], 3)
-        empty_cache(args.device)
+        cases = {"window=": lambda q, k, v: flashbob.attention(q, k, v, causal=True, window=(window - 1, 0)),
+                 "block_mask=": lambda q, k, v: flashbob.attention(q, k, v, block_mask=block_mask)}
+        rows += paired_rows("block_mask", cases, "block_mask=", "window=", "fwd_bwd_bob", visible_area(n, window), n,
+                            args)
     return rows
 
 
@@ -190,20 +184,9 @@ def flex_rows(args) -> list[dict]:
         }
         for case, (kwargs, mask_mod, area) in cases.items():
             block_mask = create_block_mask(mask_mod, None, None, n, n, device=args.device)
-            q, k, v = inputs(n, args.heads, args.head_dim, args.dtype, args.device)
-            result = {}
-            for impl, attend in (("flashbob", lambda q, k, v, kwargs=kwargs: flashbob.attention(q, k, v, **kwargs)),
-                                 ("flex_attention", lambda q, k, v, bm=block_mask: compiled(q, k, v, block_mask=bm))):
-                row = {"part": "flex", "case": f"{case}, {impl}", "dtype": str(args.dtype).removeprefix("torch."),
-                       "n": n}
-                row.update(guarded(lambda attend=attend: measured(fwd_bwd(attend, q, k, v), "fwd_bwd", area, n,
-                                                                  args)))
-                result[impl] = row
-                rows.append(row)
-            if "ms" in result["flashbob"] and "ms" in result["flex_attention"]:
-                result["flashbob"]["baseline_ms"] = result["flex_attention"]["ms"]
-                result["flashbob"]["ratio"] = round(result["flashbob"]["ms"] / result["flex_attention"]["ms"], 3)
-            empty_cache(args.device)
+            impls = {f"{case}, flashbob": lambda q, k, v, kwargs=kwargs: flashbob.attention(q, k, v, **kwargs),
+                     f"{case}, flex_attention": lambda q, k, v, bm=block_mask: compiled(q, k, v, block_mask=bm)}
+            rows += paired_rows("flex", impls, f"{case}, flashbob", f"{case}, flex_attention", "fwd_bwd", area, n, args)
     return rows
 
 

@@ -15,7 +15,7 @@ Three parts:
    autocast, batch 1) at each ``--contexts`` length, attention through flashbob or through SDPA
    (cuDNN / flash, as torch picks), CUDA-event median; ``ratio`` = flashbob / SDPA; and a Hessian-vector product
    through flashbob (``hvp_reverse``, ``hvp_forward``: :mod:`benchmarks.bench_forward_hvp`'s, from scratch), whose
-   ``ratio`` is to the SDPA gradient (issue 20's HVP target).
+   ``ratio`` is to the SDPA gradient (the HVP target of docs/performance.md).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def gpt_rows(contexts, warmup: int, reps: int) -> list[dict]:
                 grad()
             times[impl] = median_ms(grad, reps)
         products = hvp_workloads(models["flashbob"], tokens[:, :-1], tokens[:, 1:], "cuda")
-        for mode in ("hvp_reverse", "hvp_forward"):  # issue 20: an HVP against the SDPA gradient
+        for mode in ("hvp_reverse", "hvp_forward"):  # an HVP against the SDPA gradient
             for _ in range(warmup):
                 products[mode]()
             times[mode] = median_ms(products[mode], reps)

@@ -64,13 +64,12 @@ EVALUATIONS = 8  # validation losses per run, evenly spaced over the steps (and 
 # first of the step's 2 windows (curvature_batch 1, Martens' curvature mini-batch), the Gauss-Newton
 # product by forward mode, at most 4 CG iterations, preconditioned by Martens' (d + damping)^0.75 with d
 # an EMA of the Gauss-Newton-Bartlett diagonal (Sophia-G's estimate, from labels sampled on the curvature
-# window: one backward and no product per step). On 2026-12-01 (H200) 4 iterations without a
-# preconditioner lost the loss advantage over AdamW (validation 3.100 against 2.548 at 2^21 tokens) and
-# the Hutchinson preconditioner (one more product per step) kept it (2.320).
+# window: one backward and no product per step). Without a preconditioner, 4 iterations lose the per-token
+# lead over AdamW (docs/optimizers.md).
 NEWTON_CG = ["optimizer.lr=1.0", "optimizer.weight_decay=0", "optimizer.warmup_steps=0", "optimizer.min_lr_ratio=1",
              "optimizer.kwargs.damping=1.0"]
 NEWTON_CG_CHEAP = [*NEWTON_CG, "optimizer.kwargs.max_cg_iters=4", "optimizer.kwargs.curvature_batch=1",
-                   "optimizer.kwargs.mode=forward"]  # the 2026-12-01 settings
+                   "optimizer.kwargs.mode=forward"]
 SOPHIA_H = ["optimizer.kwargs.rho=0.01", "optimizer.kwargs.update_period=10"]
 SETTINGS = {
     "adamw": [],
@@ -79,9 +78,10 @@ SETTINGS = {
     "newtoncg": [*NEWTON_CG_CHEAP, "optimizer.kwargs.preconditioner=bartlett"],
 }
 VARIANTS = {  # name: (optimizer, its settings)
-    # the settings of the 2026-11-30 comparison: products on every row, reverse mode, 10 CG iterations
+    # the settings of the same-tokens comparison of docs/optimizers.md: products on every row, reverse mode,
+    # 10 CG iterations
     "newtoncg_full": ("newtoncg", [*NEWTON_CG, "optimizer.kwargs.max_cg_iters=10"]),
-    # the 2026-12-01 settings: no preconditioner (4 and 8 CG iterations), and the Hutchinson preconditioner
+    # no preconditioner (4 and 8 CG iterations), and the Hutchinson preconditioner
     "newtoncg_plain": ("newtoncg", NEWTON_CG_CHEAP),
     "newtoncg_cg8": ("newtoncg", [*NEWTON_CG_CHEAP, "optimizer.kwargs.max_cg_iters=8"]),
     "newtoncg_pcg": ("newtoncg", [*NEWTON_CG_CHEAP, "optimizer.kwargs.preconditioner=hutchinson"]),
@@ -89,8 +89,7 @@ VARIANTS = {  # name: (optimizer, its settings)
     "newtoncg_cg3": ("newtoncg", [*SETTINGS["newtoncg"], "optimizer.kwargs.max_cg_iters=3"]),
     "newtoncg_cg2": ("newtoncg", [*SETTINGS["newtoncg"], "optimizer.kwargs.max_cg_iters=2"]),
     # 2 CG iterations, and: backtracking that stops at the last iterate when its decrease reaches the first's model
-    # decrease (one trial forward on those steps instead of two; a floor of 1/4 on its own reduction ratio, tried on
-    # 2026-12-01, lost the loss lead: 2.561); the products in reverse mode (J v by the double-vjp trick on one
+    # decrease (one trial forward on those steps instead of two); the products in reverse mode (J v by the double-vjp trick on one
     # create_graph backward per step, no forward with tangents); a cold start with 3 or 2 iterations (the warm
     # start's product spent on an iteration, or saved)
     "newtoncg_cg2_accept": ("newtoncg", [*SETTINGS["newtoncg"], "optimizer.kwargs.max_cg_iters=2",
@@ -108,7 +107,7 @@ VARIANTS = {  # name: (optimizer, its settings)
     # the passes are bound by host time, so a product on 2 windows may cost about what one on 1 window does)
     "newtoncg_cg2_allrows": ("newtoncg", [*SETTINGS["newtoncg"], "optimizer.kwargs.max_cg_iters=2",
                                           "optimizer.kwargs.curvature_batch=null"]),
-    # SophiaH's estimate on both windows (the 2026-12-01 settings)
+    # SophiaH's estimate on both windows
     "sophiah_full": ("sophiah", SOPHIA_H),
     # SophiaH's Hutchinson products by forward over reverse (the first window run again with the probe as tangent)
     "sophiah_forward": ("sophiah", [*SETTINGS["sophiah"], "optimizer.kwargs.mode=forward"]),

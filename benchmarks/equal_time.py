@@ -1,4 +1,4 @@
-"""AdamW, SophiaH, SophiaG and NewtonCG for equal wall-clock budgets, each tuned first (GPU; issue 22).
+"""AdamW, SophiaH, SophiaG and NewtonCG for equal wall-clock budgets, each tuned first (GPU).
 
 Run from the checkout on one GPU; each command can be repeated until it has nothing left to do::
 

@@ -31,6 +31,18 @@ def wall_median_ms(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def timed_with_peak(fn, warmup: int, reps: int, device: str) -> tuple[float, float | None]:
+    """Median time (ms) of ``fn()`` after ``warmup`` untimed calls, and its peak memory (GiB): CUDA events and
+    ``torch.cuda.max_memory_allocated`` on a GPU; wall-clock time and no memory figure (None) elsewhere."""
+    for _ in range(warmup):
+        fn()
+    if device != "cuda":
+        return wall_median_ms(fn, reps), None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    return median_ms(fn, reps), torch.cuda.max_memory_allocated() / 2**30
+
+
 # Matrix-product FLOPs per (batch, head) in units of N*M*d, the fixed conventions of docs/algorithm.md
 # (forward 4, backward 10, BoB 38), whatever the implementation does; halved for causal masks.
 FLOPS_PER_NMD = {"fwd": 4, "fwd_bwd": 14, "fwd_bwd_bob": 52, "bob": 38}
