@@ -1,4 +1,4 @@
-"""What makes second-order steps cheaper (issue 21, items 3-5), in float64 on the CPU: Martens' CG stopping
+"""What makes second-order steps cheaper, in float64 on the CPU: Martens' CG stopping
 rule, preconditioned CG, NewtonCG's curvature mini-batch and forward-mode products, and the attention
 switch that runs the steps without curvature on torch SDPA."""
 
