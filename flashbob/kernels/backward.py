@@ -100,24 +100,14 @@ def _dkdv_kernel(
             Q, DO, STATS, DELTA, batch, heads, kv_head, group, member, N, stride_qb, stride_qh, stride_dob, stride_doh)
         q_src = common.tile_source(q_base, N, stride_qn, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
         do_src = common.tile_source(do_base, N, stride_don, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
-        dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_src, do_src, stats_base, delta_base, stride_qn, stride_don, keys, start, whole_start, N,
-            qk_scale, lo, hi, key_ids, q_ids_base, key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles,
-            M, HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION,
-            DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
-        )
-        dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_src, do_src, stats_base, delta_base, stride_qn, stride_don, keys, whole_start, whole_end,
-            N, qk_scale, lo, hi, key_ids, q_ids_base, key_mask_base, keys, tiles_base, TILE_BITS, query_tiles,
-            key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M, False, PRECISION,
-            DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
-        )
-        dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_src, do_src, stats_base, delta_base, stride_qn, stride_don, keys, whole_end, end, N,
-            qk_scale, lo, hi, key_ids, q_ids_base, key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles,
-            M, HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION,
-            DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
-        )
+        for phase in tl.static_range(3):  # the masked blocks, the whole ones, the masked ones
+            first, last = common.sweep_phase(phase, start, whole_start, whole_end, end)
+            dk, dv = _dkdv_inner(
+                dk, dv, k, v, q_src, do_src, stats_base, delta_base, stride_qn, stride_don, keys, first, last, N,
+                qk_scale, lo, hi, key_ids, q_ids_base, key_mask_base, keys, tiles_base, TILE_BITS, query_tiles,
+                key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M, phase != 1, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
+                HAS_KEY_MASK, TMA,
+            )
 
     common.store_head_block(DK, dk * scale, batch, kv_head, stride_dkb, stride_dkh, start_n, keys, M, stride_dkn,
                             HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
@@ -190,24 +180,13 @@ def _dq_kernel(
     lo, hi, row_ids, k_ids_base, tiles_base, start, whole_start, whole_end, end = common.row_masks(
         rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
         key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
-    dq = _dq_inner(
-        dq, q, do, row_max, log_sum, delta, k_src, v_src, stride_kn, stride_vn, start, whole_start, M, qk_scale, lo,
-        hi, row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D,
-        BLOCK_N, True, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK,
-        TMA,
-    )
-    dq = _dq_inner(
-        dq, q, do, row_max, log_sum, delta, k_src, v_src, stride_kn, stride_vn, whole_start, whole_end, M, qk_scale,
-        lo, hi, row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM,
-        BLOCK_D, BLOCK_N, False, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
-        HAS_KEY_MASK, TMA,
-    )
-    dq = _dq_inner(
-        dq, q, do, row_max, log_sum, delta, k_src, v_src, stride_kn, stride_vn, whole_end, end, M, qk_scale, lo, hi,
-        row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D,
-        BLOCK_N, True, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK,
-        TMA,
-    )
+    for phase in tl.static_range(3):  # the masked blocks, the whole ones, the masked ones
+        first, last = common.sweep_phase(phase, start, whole_start, whole_end, end)
+        dq = _dq_inner(
+            dq, q, do, row_max, log_sum, delta, k_src, v_src, stride_kn, stride_vn, first, last, M, qk_scale, lo, hi,
+            row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D,
+            BLOCK_N, phase != 1, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
+        )
     common.store_head_block(DQ, dq * scale, batch, head, stride_dqb, stride_dqh, start_m, rows, N, stride_dqn, HEAD_DIM,
                             BLOCK_M, BLOCK_D, TMA)
 

@@ -232,27 +232,14 @@ def _bob_rows_kernel(
         a = common.load_rows(common.row_vector_pointer(A, batch_head, N), rows, N)
         c = common.load_rows(common.row_vector_pointer(C, batch_head, N), rows, N)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)  # untouched (and not kept) in the scalar sweep
-    acc, a, c = _rows_inner(
-        acc, a, c, q, do, u_bar, row_max, log_sum, delta, k_src, v_src, w_bar_src, z_bar_src, stride_kn, stride_vn,
-        stride_wn, stride_zn, rows, start, whole_start, N, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
-        key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True,
-        HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
-        HAS_KEY_MASK, SWEEP, TMA,
-    )
-    acc, a, c = _rows_inner(
-        acc, a, c, q, do, u_bar, row_max, log_sum, delta, k_src, v_src, w_bar_src, z_bar_src, stride_kn, stride_vn,
-        stride_wn, stride_zn, rows, whole_start, whole_end, N, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
-        key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, False,
-        HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
-        HAS_KEY_MASK, SWEEP, TMA,
-    )
-    acc, a, c = _rows_inner(
-        acc, a, c, q, do, u_bar, row_max, log_sum, delta, k_src, v_src, w_bar_src, z_bar_src, stride_kn, stride_vn,
-        stride_wn, stride_zn, rows, whole_end, end, N, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
-        key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True,
-        HAS_DQ_BAR, HAS_DK_BAR, HAS_DV_BAR, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
-        HAS_KEY_MASK, SWEEP, TMA,
-    )
+    for phase in tl.static_range(3):  # the masked blocks, the whole ones, the masked ones
+        first, last = common.sweep_phase(phase, start, whole_start, whole_end, end)
+        acc, a, c = _rows_inner(
+            acc, a, c, q, do, u_bar, row_max, log_sum, delta, k_src, v_src, w_bar_src, z_bar_src, stride_kn, stride_vn,
+            stride_wn, stride_zn, rows, first, last, N, M, qk_scale, scale, lo, hi, row_ids, k_ids_base, key_mask_base,
+            rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, phase != 1, HAS_DQ_BAR,
+            HAS_DK_BAR, HAS_DV_BAR, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, SWEEP, TMA,
+        )
 
     if SWEEP == "bob_scalars":
         c = c - a * delta
@@ -363,31 +350,16 @@ def _bob_columns_kernel(
         do_src = common.tile_source(do_base, N, stride_don, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
         u_bar_src = common.head_tile_source(U_BAR, batch, head, stride_ub, stride_uh, N, stride_un, HEAD_DIM, BLOCK_M,
                                             BLOCK_D, TMA and HAS_DQ_BAR)
-        k_bar, v_bar = _columns_inner(
-            k_bar, v_bar, k, v, w_bar, z_bar, q_src, do_src, u_bar_src, stats_base, delta_base, a_base, c_base,
-            stride_qn, stride_don, stride_un, keys, start, whole_start, N, qk_scale, scale, lo, hi, key_ids, q_ids_base,
-            key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M,
-            MASKED=True, HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR,
-            HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS,
-            TILE_COLS=TILE_COLS, HAS_KEY_MASK=HAS_KEY_MASK, TMA=TMA,
-        )
-        k_bar, v_bar = _columns_inner(
-            k_bar, v_bar, k, v, w_bar, z_bar, q_src, do_src, u_bar_src, stats_base, delta_base, a_base, c_base,
-            stride_qn, stride_don, stride_un, keys, whole_start, whole_end, N, qk_scale, scale, lo, hi, key_ids,
-            q_ids_base,
-            key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M,
-            MASKED=False, HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR,
-            HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS,
-            TILE_COLS=TILE_COLS, HAS_KEY_MASK=HAS_KEY_MASK, TMA=TMA,
-        )
-        k_bar, v_bar = _columns_inner(
-            k_bar, v_bar, k, v, w_bar, z_bar, q_src, do_src, u_bar_src, stats_base, delta_base, a_base, c_base,
-            stride_qn, stride_don, stride_un, keys, whole_end, end, N, qk_scale, scale, lo, hi, key_ids, q_ids_base,
-            key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M,
-            MASKED=True, HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR,
-            HAS_DV_BAR=HAS_DV_BAR, PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS,
-            TILE_COLS=TILE_COLS, HAS_KEY_MASK=HAS_KEY_MASK, TMA=TMA,
-        )
+        for phase in tl.static_range(3):  # the masked blocks, the whole ones, the masked ones
+            first, last = common.sweep_phase(phase, start, whole_start, whole_end, end)
+            k_bar, v_bar = _columns_inner(
+                k_bar, v_bar, k, v, w_bar, z_bar, q_src, do_src, u_bar_src, stats_base, delta_base, a_base, c_base,
+                stride_qn, stride_don, stride_un, keys, first, last, N, qk_scale, scale, lo, hi, key_ids, q_ids_base,
+                key_mask_base, keys, tiles_base, TILE_BITS, query_tiles, key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M,
+                MASKED=phase != 1, HAS_DQ_BAR=HAS_DQ_BAR, HAS_DK_BAR=HAS_DK_BAR, HAS_DV_BAR=HAS_DV_BAR,
+                PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS,
+                HAS_KEY_MASK=HAS_KEY_MASK, TMA=TMA,
+            )
 
     common.store_head_block(K_BAR, k_bar * scale, batch, kv_head, stride_kbb, stride_kbh, start_n, keys, M, stride_kbn,
                             HEAD_DIM, BLOCK_N, BLOCK_D, TMA)

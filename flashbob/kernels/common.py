@@ -241,6 +241,20 @@ def sweep_bounds(own, n_own, n_other, lo, hi, whole_lo, whole_hi, BLOCK: tl.cons
 
 
 @triton.jit
+def sweep_phase(phase: tl.constexpr, start, whole_start, whole_end, end):
+    """The blocks ``[first, last)`` of phase ``phase`` of a sweep over :func:`sweep_bounds`: 0, the masked blocks
+    before the whole ones; 1, the whole blocks (no element-wise mask); 2, the masked blocks after them. Every
+    kernel runs its inner loop once per phase, in a ``tl.static_range(3)``, unmasked in phase 1 alone."""
+    if phase == 0:
+        first, last = start, whole_start
+    elif phase == 1:
+        first, last = whole_start, whole_end
+    else:
+        first, last = whole_end, end
+    return first, last
+
+
+@triton.jit
 def own_ids(IDS, batch, own, n_own, DOCUMENTS: tl.constexpr):
     """The document ids of a program's positions ``own`` (of ``(B, n_own)`` ids); ``own`` itself, never read,
     without documents."""

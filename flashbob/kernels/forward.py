@@ -83,24 +83,13 @@ def _forward_kernel(
     lo, hi, row_ids, k_ids_base, tiles_base, start, whole_start, whole_end, end = common.row_masks(
         rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
         key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
-    acc, row_max, row_sum = _forward_inner(
-        acc, row_max, row_sum, q, k_src, v_src, stride_kn, stride_vn, start, whole_start, M, qk_scale, lo, hi,
-        row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D,
-        BLOCK_N, True, PRECISION, BAND, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
-        HAS_KEY_MASK, TMA,
-    )
-    acc, row_max, row_sum = _forward_inner(
-        acc, row_max, row_sum, q, k_src, v_src, stride_kn, stride_vn, whole_start, whole_end, M, qk_scale, lo, hi,
-        row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D,
-        BLOCK_N, False, PRECISION, BAND, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
-        HAS_KEY_MASK, TMA,
-    )
-    acc, row_max, row_sum = _forward_inner(
-        acc, row_max, row_sum, q, k_src, v_src, stride_kn, stride_vn, whole_end, end, M, qk_scale, lo, hi,
-        row_ids, k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D,
-        BLOCK_N, True, PRECISION, BAND, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
-        HAS_KEY_MASK, TMA,
-    )
+    for phase in tl.static_range(3):  # the masked blocks, the whole ones, the masked ones
+        first, last = common.sweep_phase(phase, start, whole_start, whole_end, end)
+        acc, row_max, row_sum = _forward_inner(
+            acc, row_max, row_sum, q, k_src, v_src, stride_kn, stride_vn, first, last, M, qk_scale, lo, hi, row_ids,
+            k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N,
+            phase != 1, PRECISION, BAND, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
+        )
 
     o_src = common.head_tile_source(O, batch, head, stride_ob, stride_oh, N, stride_on, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
     if HAS_KEY_MASK or BAND or DOCUMENTS or TILES:

@@ -136,27 +136,14 @@ def _o_dot_kernel(
     lo, hi, row_ids, k_ids_base, tiles_base, start, whole_start, whole_end, end = common.row_masks(
         rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
         key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
-    acc, r_rounded = _o_dot_inner(
-        acc, r_rounded, q, q_dot, row_max, log_sum, k_src, v_src, k_dot_src, v_dot_src, stride_kn, stride_vn,
-        stride_kdn, stride_vdn, start, whole_start, M, qk_scale, scale, lo, hi, row_ids, k_ids_base, key_mask_base,
-        rows, tiles_base, TILE_BITS, query_tiles, key_tiles,
-        HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS,
-        TILE_COLS, HAS_KEY_MASK, TMA,
-    )
-    acc, r_rounded = _o_dot_inner(
-        acc, r_rounded, q, q_dot, row_max, log_sum, k_src, v_src, k_dot_src, v_dot_src, stride_kn, stride_vn,
-        stride_kdn, stride_vdn, whole_start, whole_end, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
-        key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, False,
-        HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
-        HAS_KEY_MASK, TMA,
-    )
-    acc, r_rounded = _o_dot_inner(
-        acc, r_rounded, q, q_dot, row_max, log_sum, k_src, v_src, k_dot_src, v_dot_src, stride_kn, stride_vn,
-        stride_kdn, stride_vdn, whole_end, end, M, qk_scale, scale, lo, hi, row_ids, k_ids_base, key_mask_base, rows,
-        tiles_base, TILE_BITS, query_tiles, key_tiles,
-        HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS,
-        TILE_COLS, HAS_KEY_MASK, TMA,
-    )
+    for phase in tl.static_range(3):  # the masked blocks, the whole ones, the masked ones
+        first, last = common.sweep_phase(phase, start, whole_start, whole_end, end)
+        acc, r_rounded = _o_dot_inner(
+            acc, r_rounded, q, q_dot, row_max, log_sum, k_src, v_src, k_dot_src, v_dot_src, stride_kn, stride_vn,
+            stride_kdn, stride_vdn, first, last, M, qk_scale, scale, lo, hi, row_ids, k_ids_base, key_mask_base, rows,
+            tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, phase != 1, HAS_Q_DOT, HAS_K_DOT,
+            HAS_V_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
+        )
     o_src = common.head_tile_source(O, batch, head, stride_ob, stride_oh, N, stride_on, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
     o_dot_src = common.head_tile_source(O_DOT, batch, head, stride_odb, stride_odh, N, stride_odn, HEAD_DIM, BLOCK_M,
                                         BLOCK_D, TMA)
@@ -253,27 +240,15 @@ def _row_scalars_kernel(
         lo, hi, row_ids, k_ids_base, tiles_base, start, whole_start, whole_end, end = common.row_masks(
             rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
             key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
-        r_dot, delta_dot = _row_scalars_inner(
-            r_dot, delta_dot, q, q_dot, do, row_max, log_sum, delta, k_src, v_src, k_dot_src, v_dot_src, stride_kn,
-            stride_vn, stride_kdn, stride_vdn, start, whole_start, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
-            key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True,
-            HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
-            HAS_KEY_MASK, TMA,
-        )
-        r_dot, delta_dot = _row_scalars_inner(
-            r_dot, delta_dot, q, q_dot, do, row_max, log_sum, delta, k_src, v_src, k_dot_src, v_dot_src, stride_kn,
-            stride_vn, stride_kdn, stride_vdn, whole_start, whole_end, M, qk_scale, scale, lo, hi, row_ids,
-            k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N,
-            False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION,
-            DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
-        )
-        r_dot, delta_dot = _row_scalars_inner(
-            r_dot, delta_dot, q, q_dot, do, row_max, log_sum, delta, k_src, v_src, k_dot_src, v_dot_src, stride_kn,
-            stride_vn, stride_kdn, stride_vdn, whole_end, end, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
-            key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True,
-            HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
-            HAS_KEY_MASK, TMA,
-        )
+        for phase in tl.static_range(3):  # the masked blocks, the whole ones, the masked ones
+            first, last = common.sweep_phase(phase, start, whole_start, whole_end, end)
+            r_dot, delta_dot = _row_scalars_inner(
+                r_dot, delta_dot, q, q_dot, do, row_max, log_sum, delta, k_src, v_src, k_dot_src, v_dot_src, stride_kn,
+                stride_vn, stride_kdn, stride_vdn, first, last, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
+                key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, phase !=
+                1, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK,
+                TMA,
+            )
     if HAS_DO_DOT:
         o_src = common.head_tile_source(O, batch, head, stride_ob, stride_oh, N, stride_on, HEAD_DIM, BLOCK_M, BLOCK_D,
                                         TMA)
@@ -372,27 +347,15 @@ def _dq_dot_kernel(
     lo, hi, row_ids, k_ids_base, tiles_base, start, whole_start, whole_end, end = common.row_masks(
         rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
         key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
-    dq_dot = _dq_dot_inner(
-        dq_dot, q, q_dot, do, do_dot, row_max, log_sum, delta, r_dot, delta_dot, k_src, v_src, k_dot_src, v_dot_src,
-        stride_kn, stride_vn, stride_kdn, stride_vdn, start, whole_start, M, qk_scale, scale, lo, hi, row_ids,
-        k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N,
-        True, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT,
-        PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
-    )
-    dq_dot = _dq_dot_inner(
-        dq_dot, q, q_dot, do, do_dot, row_max, log_sum, delta, r_dot, delta_dot, k_src, v_src, k_dot_src, v_dot_src,
-        stride_kn, stride_vn, stride_kdn, stride_vdn, whole_start, whole_end, M, qk_scale, scale, lo, hi, row_ids,
-        k_ids_base, key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N,
-        False, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT,
-        PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
-    )
-    dq_dot = _dq_dot_inner(
-        dq_dot, q, q_dot, do, do_dot, row_max, log_sum, delta, r_dot, delta_dot, k_src, v_src, k_dot_src, v_dot_src,
-        stride_kn, stride_vn, stride_kdn, stride_vdn, whole_end, end, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
-        key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_Q_DOT,
-        HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION,
-        DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
-    )
+    for phase in tl.static_range(3):  # the masked blocks, the whole ones, the masked ones
+        first, last = common.sweep_phase(phase, start, whole_start, whole_end, end)
+        dq_dot = _dq_dot_inner(
+            dq_dot, q, q_dot, do, do_dot, row_max, log_sum, delta, r_dot, delta_dot, k_src, v_src, k_dot_src, v_dot_src,
+            stride_kn, stride_vn, stride_kdn, stride_vdn, first, last, M, qk_scale, scale, lo, hi, row_ids, k_ids_base,
+            key_mask_base, rows, tiles_base, TILE_BITS, query_tiles, key_tiles, HEAD_DIM, BLOCK_D, BLOCK_N, phase != 1,
+            HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
+            HAS_KEY_MASK, TMA,
+        )
     common.store_head_block(DQ_DOT, dq_dot * scale, batch, head, stride_dqdb, stride_dqdh, start_m, rows, N,
                             stride_dqdn, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
 
@@ -504,30 +467,15 @@ def _dk_dot_dv_dot_kernel(
                                                                    TMA)
         r_dot_base = common.row_vector_pointer(R_DOT, batch_head, N)
         delta_dot_base = common.row_vector_pointer(DELTA_DOT, batch_head, N)
-        dk_dot, dv_dot = _dk_dot_dv_dot_inner(
-            dk_dot, dv_dot, k, v, k_dot, v_dot, q_src, do_src, q_dot_src, do_dot_src, stats_base, delta_base,
-            r_dot_base, delta_dot_base, stride_qn, stride_don, stride_qdn, stride_dodn, keys, start, whole_start, N,
-            qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, keys, tiles_base, TILE_BITS, query_tiles,
-            key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M, True,
-            HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
-            HAS_KEY_MASK, TMA,
-        )
-        dk_dot, dv_dot = _dk_dot_dv_dot_inner(
-            dk_dot, dv_dot, k, v, k_dot, v_dot, q_src, do_src, q_dot_src, do_dot_src, stats_base, delta_base,
-            r_dot_base, delta_dot_base, stride_qn, stride_don, stride_qdn, stride_dodn, keys, whole_start, whole_end, N,
-            qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, keys, tiles_base, TILE_BITS, query_tiles,
-            key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M, False,
-            HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
-            HAS_KEY_MASK, TMA,
-        )
-        dk_dot, dv_dot = _dk_dot_dv_dot_inner(
-            dk_dot, dv_dot, k, v, k_dot, v_dot, q_src, do_src, q_dot_src, do_dot_src, stats_base, delta_base,
-            r_dot_base, delta_dot_base, stride_qn, stride_don, stride_qdn, stride_dodn, keys, whole_end, end, N,
-            qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, keys, tiles_base, TILE_BITS, query_tiles,
-            key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M, True,
-            HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
-            HAS_KEY_MASK, TMA,
-        )
+        for phase in tl.static_range(3):  # the masked blocks, the whole ones, the masked ones
+            first, last = common.sweep_phase(phase, start, whole_start, whole_end, end)
+            dk_dot, dv_dot = _dk_dot_dv_dot_inner(
+                dk_dot, dv_dot, k, v, k_dot, v_dot, q_src, do_src, q_dot_src, do_dot_src, stats_base, delta_base,
+                r_dot_base, delta_dot_base, stride_qn, stride_don, stride_qdn, stride_dodn, keys, first, last, N,
+                qk_scale, scale, lo, hi, key_ids, q_ids_base, key_mask_base, keys, tiles_base, TILE_BITS, query_tiles,
+                key_tiles, M, HEAD_DIM, BLOCK_D, BLOCK_M, phase != 1, HAS_Q_DOT, HAS_K_DOT, HAS_V_DOT, HAS_DO_DOT,
+                PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK, TMA,
+            )
 
     common.store_head_block(DK_DOT, dk_dot * scale, batch, kv_head, stride_dkdb, stride_dkdh, start_n, keys, M,
                             stride_dkdn, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
