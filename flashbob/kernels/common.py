@@ -268,26 +268,32 @@ def own_ids(IDS, batch, own, n_own, DOCUMENTS: tl.constexpr):
 @triton.jit
 def row_masks(rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
               key_tiles, BLOCK_N: tl.constexpr, BAND: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr):
-    """A row kernel's masks for its query ``rows``: each row's visible keys ``[lo, hi)``, the rows' document ids,
-    the start of the keys' ids and of this batch element's tiles (:func:`tile_visible`), and its loop over the
-    keys, :func:`sweep_bounds`."""
-    lo, hi, whole_lo, whole_hi = visible_ranges(rows, N, M, window_left, window_right, ranges_pointer(RANGES, batch, N),
-                                                BAND, DOCUMENTS or TILES)
-    start, whole_start, whole_end, end = sweep_bounds(rows, N, M, lo, hi, whole_lo, whole_hi, BLOCK_N, False)
-    return lo, hi, own_ids(IDS_Q, batch, rows, N, DOCUMENTS), IDS_K + batch.to(tl.int64) * M, \
-        tiles_pointer(TILE_STATE, batch, query_tiles, key_tiles), start, whole_start, whole_end, end
+    """A row kernel's masks for its query ``rows``: :func:`own_masks` seen from the queries."""
+    return own_masks(rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
+                     key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES, False)
 
 
 @triton.jit
 def column_masks(keys, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
                  key_tiles, BLOCK_M: tl.constexpr, BAND: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr):
-    """A column kernel's masks for its ``keys``: each key's visible queries ``[lo, hi)``, the keys' document ids,
-    the start of the queries' ids and of this batch element's tiles, and its loop over the queries,
-    :func:`sweep_bounds`."""
-    lo, hi, whole_lo, whole_hi = visible_ranges(keys, M, N, window_right, window_left, ranges_pointer(RANGES, batch, M),
-                                                BAND, DOCUMENTS or TILES)
-    start, whole_start, whole_end, end = sweep_bounds(keys, M, N, lo, hi, whole_lo, whole_hi, BLOCK_M, True)
-    return lo, hi, own_ids(IDS_K, batch, keys, M, DOCUMENTS), IDS_Q + batch.to(tl.int64) * N, \
+    """A column kernel's masks for its ``keys``: :func:`own_masks` seen from the keys (the band's bounds swap)."""
+    return own_masks(keys, batch, M, N, IDS_K, IDS_Q, RANGES, window_right, window_left, TILE_STATE, query_tiles,
+                     key_tiles, BLOCK_M, BAND, DOCUMENTS, TILES, True)
+
+
+@triton.jit
+def own_masks(own, batch, n_own, n_other, IDS_OWN, IDS_OTHER, RANGES, before, after, TILE_STATE, query_tiles,
+              key_tiles, BLOCK: tl.constexpr, BAND: tl.constexpr, DOCUMENTS: tl.constexpr, TILES: tl.constexpr,
+              OPEN_END: tl.constexpr):
+    """A program's masks for its positions ``own`` (queries of a row kernel, keys of a column kernel): each
+    position's visible range ``[lo, hi)`` on the other axis (:func:`visible_ranges`, ``before``/``after`` its band),
+    the positions' document ids, the start of the other axis' ids and of this batch element's tiles
+    (:func:`tile_visible`), and the loop over the other axis, :func:`sweep_bounds`."""
+    lo, hi, whole_lo, whole_hi = visible_ranges(own, n_own, n_other, before, after,
+                                                ranges_pointer(RANGES, batch, n_own), BAND, DOCUMENTS or TILES)
+    start, whole_start, whole_end, end = sweep_bounds(own, n_own, n_other, lo, hi, whole_lo, whole_hi, BLOCK,
+                                                      OPEN_END)
+    return lo, hi, own_ids(IDS_OWN, batch, own, n_own, DOCUMENTS), IDS_OTHER + batch.to(tl.int64) * n_other, \
         tiles_pointer(TILE_STATE, batch, query_tiles, key_tiles), start, whole_start, whole_end, end
 
 
