@@ -565,28 +565,21 @@ def test_user_cache_wins_over_every_table(architecture):
         assert configs.pick(keys[name], space, GPU, "on", never, "9.0") == configs.Pick(space[4], "cache")
 
 
-def test_autotune_1_tunes_what_the_own_table_lacks_instead_of_taking_the_architectures(architecture):
-    """FLASHBOB_AUTOTUNE=1 asks for this GPU's own configurations: its table serves what it holds, the rest is tuned
-    (the architecture's tables are what a GPU gets without tuning)."""
+@pytest.mark.parametrize(("mode", "served", "held", "source", "tuned"),
+                         [("on", "own", 1, "table", "a"), ("fill", "a", 4, "cache", "own")])
+def test_tuning_modes_serve_what_they_hold_and_tune_the_rest(architecture, mode, served, held, source, tuned):
+    """FLASHBOB_AUTOTUNE=1 (``"on"``) asks for this GPU's own configurations: its own table serves what it holds,
+    the rest is tuned (the architecture's tables are what a GPU gets without tuning). flashbob.tune's mode
+    (``"fill"``): the cache's configuration, else tuned and stored; no table is consulted."""
     keys, space = architecture
     clock = FakeClock(space, fastest=5)
+    if mode == "fill":
+        tuning.write_cache(GPU, keys["a"], configs.config_tuple(space[4]), {})
     with tuning.timed_by(clock):
-        assert configs.pick(keys["own"], space, GPU, "on", clock.run, "9.0") == configs.Pick(space[1], "table")
+        assert configs.pick(keys[served], space, GPU, mode, clock.run, "9.0") == configs.Pick(space[held], source)
         assert clock.timed == []
-        assert configs.pick(keys["a"], space, GPU, "on", clock.run, "9.0") == configs.Pick(space[5], "tuned")
-    assert tuning.read_cache(GPU, keys["a"]) == configs.config_tuple(space[5])
-
-
-def test_fill_mode_tunes_what_the_cache_lacks_whatever_the_tables_hold(architecture):
-    """flashbob.tune's mode: the cache's configuration, else tuned and stored; no table is consulted."""
-    keys, space = architecture
-    clock = FakeClock(space, fastest=5)
-    tuning.write_cache(GPU, keys["a"], configs.config_tuple(space[4]), {})
-    with tuning.timed_by(clock):
-        assert configs.pick(keys["a"], space, GPU, "fill", clock.run, "9.0") == configs.Pick(space[4], "cache")
-        assert clock.timed == []
-        assert configs.pick(keys["own"], space, GPU, "fill", clock.run, "9.0") == configs.Pick(space[5], "tuned")
-    assert tuning.read_cache(GPU, keys["own"]) == configs.config_tuple(space[5])
+        assert configs.pick(keys[tuned], space, GPU, mode, clock.run, "9.0") == configs.Pick(space[5], "tuned")
+    assert tuning.read_cache(GPU, keys[tuned]) == configs.config_tuple(space[5])
 
 
 def test_no_architecture_tables_on_rocm(monkeypatch):
