@@ -85,10 +85,8 @@ def _dkdv_kernel(
     acc_dtype = DELTA.dtype.element_ty
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
-    k_src = common.head_tile_source(K, batch, kv_head, stride_kb, stride_kh, M, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D,
-                                    TMA)
-    v_src = common.head_tile_source(V, batch, kv_head, stride_vb, stride_vh, M, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D,
-                                    TMA)
+    k_src, v_src = common.key_value_sources(K, V, batch, kv_head, stride_kb, stride_kh, stride_kn, stride_vb,
+                                            stride_vh, stride_vn, M, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
     k = common.load_block(k_src, start_n, keys, M, stride_kn, HEAD_DIM, BLOCK_D, TMA)
     v = common.load_block(v_src, start_n, keys, M, stride_vn, HEAD_DIM, BLOCK_D, TMA)
 
@@ -160,10 +158,8 @@ def _dq_kernel(
     first its rows' :math:`\Delta_i = dO_i \cdot O_i`, which it stores in ``DELTA`` for the dK/dV sweep (launched
     after it), so that the backward needs no launch of its own for them."""
     start_m, rows, batch_head, batch, head, kv_head, key_mask_base = common.query_block(heads, group, KEY_MASK, M, BLOCK_M)
-    k_src = common.head_tile_source(K, batch, kv_head, stride_kb, stride_kh, M, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D,
-                                    TMA)
-    v_src = common.head_tile_source(V, batch, kv_head, stride_vb, stride_vh, M, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D,
-                                    TMA)
+    k_src, v_src = common.key_value_sources(K, V, batch, kv_head, stride_kb, stride_kh, stride_kn, stride_vb,
+                                            stride_vh, stride_vn, M, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
     q_src = common.head_tile_source(Q, batch, head, stride_qb, stride_qh, N, stride_qn, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
     do_src = common.head_tile_source(DO, batch, head, stride_dob, stride_doh, N, stride_don, HEAD_DIM, BLOCK_M, BLOCK_D,
                                      TMA)

@@ -431,6 +431,15 @@ def tile_sources(
 
 
 @triton.jit
+def key_value_sources(K, V, batch, kv_head, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, M,
+                      HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr):
+    """The :func:`head_tile_source` of one kv head's keys and values (``BLOCK_N`` rows a tile)."""
+    k_src = head_tile_source(K, batch, kv_head, stride_kb, stride_kh, M, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    v_src = head_tile_source(V, batch, kv_head, stride_vb, stride_vh, M, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    return k_src, v_src
+
+
+@triton.jit
 def head_tile_sources(
     X, Y, DX, DY, batch, head, stride_xb, stride_xh, stride_yb, stride_yh, stride_dxb, stride_dxh, stride_dyb,
     stride_dyh, n_rows, stride_x, stride_y, stride_dx, stride_dy, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,

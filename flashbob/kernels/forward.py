@@ -69,10 +69,8 @@ def _forward_kernel(
     without an element-wise mask, those before and after them masked. Rows that see no key store
     :math:`O_i = 0` and :math:`(+\infty, 0)`. ``TMA`` (the ``"tma"`` variant): tiles through tensor descriptors."""
     start_m, rows, batch_head, batch, head, kv_head, key_mask_base = common.query_block(heads, group, KEY_MASK, M, BLOCK_M)
-    k_src = common.head_tile_source(K, batch, kv_head, stride_kb, stride_kh, M, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D,
-                                    TMA)
-    v_src = common.head_tile_source(V, batch, kv_head, stride_vb, stride_vh, M, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D,
-                                    TMA)
+    k_src, v_src = common.key_value_sources(K, V, batch, kv_head, stride_kb, stride_kh, stride_kn, stride_vb,
+                                            stride_vh, stride_vn, M, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
     q_src = common.head_tile_source(Q, batch, head, stride_qb, stride_qh, N, stride_qn, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
     q = common.load_block(q_src, start_m, rows, N, stride_qn, HEAD_DIM, BLOCK_D, TMA)
     acc_dtype = STATS.dtype.element_ty
