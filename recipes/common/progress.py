@@ -34,7 +34,7 @@ def report(name: str, run_dir: Path, first_step: int, step: int, steps: int, sec
     W&B keeps the run)."""
     stopped = "" if step == steps else " (stopped by train.max_seconds)"
     places = {"run folder": run_dir, "config": run_dir / "config.yaml", "metrics": run_dir / "metrics.jsonl",
-              "checkpoint": checkpoint, **more}
+              **({} if checkpoint is None else {"checkpoint": checkpoint}), **more}
     width = max(map(len, places))
     return "\n".join([f"{name}: trained steps {first_step}-{step} of {steps}{stopped}; wall time {duration(seconds)}",
-                      *(f"  {label:{width}}  {place}" for label, place in places.items() if place is not None)])
+                      *(f"  {label:{width}}  {place}" for label, place in places.items())])
