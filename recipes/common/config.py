@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import functools
-import sys
 from dataclasses import dataclass, field, make_dataclass
 from pathlib import PurePath
 from typing import Callable, Iterable, Optional
@@ -61,16 +60,15 @@ class TransformerConfig:
     attention: str = "auto"  # flashbob backend auto (Triton on CUDA, else blocked) | triton | blocked, or eager (naive)
 
 
-def recipe_schema(recipe: str, name: str, **sections: type) -> type:
+def recipe_schema(recipe: str, name: str, module: str, **sections: type) -> type:
     """The config schema of the recipe ``recipe``: a dataclass of the run's ``name`` (its outputs go to
     ``<out_dir>/<name>``), ``out_dir`` (default ``runs``), the recipe's ``sections`` (dataclasses, by key, in
-    order: ``model``, ``train``, ...) and ``logger``, whose W&B project is ``flashbob-<recipe>``."""
+    order: ``model``, ``train``, ...) and ``logger``, whose W&B project is ``flashbob-<recipe>``. ``module``: the
+    caller's ``__name__``, where the class lives (so that its configs pickle)."""
     logger = functools.partial(LoggerConfig, project=f"flashbob-{recipe}")
     fields = [("name", str, field(default=name)), ("out_dir", str, field(default="runs")),
               *((key, section, field(default_factory=section)) for key, section in sections.items()),
               ("logger", LoggerConfig, field(default_factory=logger))]
-    # the caller's module, as namedtuple (and make_dataclass from Python 3.12 on) sets it: its configs pickle
-    module = sys._getframe(1).f_globals.get("__name__", "__main__")
     return make_dataclass("Config", fields, namespace={"__module__": module})
 
 

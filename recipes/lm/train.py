@@ -108,8 +108,8 @@ class TrainConfig(configs.TrainConfig):
 
 
 # name (outputs go to <out_dir>/<name>), out_dir, the sections above, and logger (W&B project flashbob-lm)
-Config = configs.recipe_schema("lm", name="tiny", model=ModelConfig, data=DataConfig, optimizer=OptimizerConfig,
-                               train=TrainConfig)
+Config = configs.recipe_schema("lm", module=__name__, name="tiny", model=ModelConfig, data=DataConfig,
+                               optimizer=OptimizerConfig, train=TrainConfig)
 
 
 CHOICES = {

@@ -79,8 +79,8 @@ class TrainConfig(configs.TrainConfig):
 
 
 # name (outputs go to <out_dir>/<name>), out_dir, the sections above, and logger (W&B project flashbob-meta)
-Config = configs.recipe_schema("meta", name="meta", model=ModelConfig, task=TaskConfig, maml=MAMLConfig,
-                               optimizer=OptimizerConfig, train=TrainConfig)
+Config = configs.recipe_schema("meta", module=__name__, name="meta", model=ModelConfig, task=TaskConfig,
+                               maml=MAMLConfig, optimizer=OptimizerConfig, train=TrainConfig)
 
 
 CHOICES = {

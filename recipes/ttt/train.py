@@ -83,7 +83,7 @@ class TrainConfig(configs.TrainConfig):
 
 
 # name (outputs go to <out_dir>/<name>), out_dir, the sections above, and logger (W&B project flashbob-ttt)
-Config = configs.recipe_schema("ttt", name="ttt", model=ModelConfig, data=DataConfig, ttt=TTTConfig,
+Config = configs.recipe_schema("ttt", module=__name__, name="ttt", model=ModelConfig, data=DataConfig, ttt=TTTConfig,
                                optimizer=OptimizerConfig, train=TrainConfig)
 
 
