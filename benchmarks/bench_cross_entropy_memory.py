@@ -7,7 +7,7 @@ The model is the LM head alone, as in the recipe: a float32 ``nn.Linear(d, V)`` 
 hidden states ``(1, T, d)``, so the logits are bf16 (T = V = 32,768: 2 GiB). ``extra`` is
 ``max_memory_allocated`` during one call minus ``memory_allocated`` before it (logits, graph and operator
 already held), reported as a multiple of the bf16 logits; ``ms`` is the mean of ``--reps`` further calls. Each
-product runs with the default chunk (``optim.curvature.DEFAULT_CHUNK_ELEMENTS`` logits) and with
+product runs with the default chunk (``optim.loss_hessians.DEFAULT_CHUNK_ELEMENTS`` logits) and with
 ``--small-chunk`` logits; forward mode with PyTorch's tangent rules and with ``lean_tangents=True``. The
 target (docs/curvature.md): one GGN product within 2x the bf16 logits.
 
@@ -28,7 +28,7 @@ from torch import nn
 
 from benchmarks.results import write_rows
 from optim import CrossEntropyHessian, GGNOperator, SophiaG
-from optim.curvature import DEFAULT_CHUNK_ELEMENTS
+from optim.loss_hessians import DEFAULT_CHUNK_ELEMENTS
 
 
 def measure(fn, device: torch.device, reps: int) -> tuple[float, float]:

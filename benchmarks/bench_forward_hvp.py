@@ -15,8 +15,8 @@ from scratch (forward included), at every ``--contexts`` length through flashbob
 * ``hvp_forward_checkpointed``: the same with each block recomputed in the backward (the model's
   ``checkpoint_activations``, i.e. ``optim.checkpoint``): the blocks' activations and tangents are not kept,
   for one more forward with tangents per block, less attention's (its outputs are kept and reused);
-* ``hvp_forward_checkpointed_recompute_attention``: the same with ``optim.checkpoint(...,
-  save_attention=False)``: the recomputation runs attention's forward and forward tangent again;
+* ``hvp_forward_checkpointed_recompute_attention``: the same with the model's ``save_attention=False``
+  (``optim.checkpoint`` without kept outputs): the recomputation runs attention's forward and forward tangent again;
 * ``hvp_reverse_checkpointed``: reverse-over-reverse with ``optim.checkpoint`` on every block.
 
 and at ``--ggn-context``, ``curvlinops.GGNLinearOperator`` mat-vecs (``jvp`` of the model, the
@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from contextlib import nullcontext
-from functools import partial
 from unittest import mock
 
 import torch
@@ -100,7 +99,7 @@ def hvp_workloads(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
         def run():
             model.checkpoint_activations = True
             try:
-                with mock.patch.object(optim, "checkpoint", partial(optim.checkpoint, save_attention=save_attention)):
+                with mock.patch.object(model, "save_attention", save_attention):
                     return product()
             finally:
                 model.checkpoint_activations = False

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from benchmarks.environment import child_environment
 from benchmarks.results import write_rows
-from optim.curvature import CHECKPOINT_WITHOUT_FORWARD_RULE
+from optim.forward_mode_checks import CHECKPOINT_WITHOUT_FORWARD_RULE
 
 WORKLOADS = ("grad", "ror", "for")
 CHECKPOINTING = ("off", "optim", "torch")

@@ -42,8 +42,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import optim
 from benchmarks.compare_optimizers import optimizer_names
 from benchmarks.results import write_rows
-from optim import _closure, newton_cg, sophia
-from optim.curvature import GGNOperator, HessianOperator
+from optim import newton_cg, operators, optimizer, sophia, sophia_g, sophia_h
+from optim.operators import GGNOperator, HessianOperator
 from recipes.common import distributed
 from recipes.common.config import resolve_device
 from recipes.common.transformer import sdpa
@@ -55,15 +55,15 @@ ROOT = Path(__file__).resolve().parent.parent
 PHASES = [
     (GGNOperator, "matvec", "GGN product"),
     (HessianOperator, "matvec", "Hessian product"),
-    (_closure.GradientGraphHessian, "matvec", "Hessian product"),
+    (operators.GradientGraphHessian, "matvec", "Hessian product"),
     (newton_cg.NewtonCG, "_curvature", "gradient and curvature"),
     (newton_cg.NewtonCG, "_preconditioner", "preconditioner"),
     (newton_cg, "cg", "CG"),
     (newton_cg.NewtonCG, "_search", "search"),
-    (_closure, "apply_if_finite", "update"),
-    (sophia._Sophia, "_propose_all", "update"),
-    (sophia.SophiaH, "_hutchinson", "Hutchinson estimate"),
-    (sophia.SophiaG, "_bartlett", "Gauss-Newton-Bartlett estimate"),
+    (optimizer, "apply_if_finite", "update"),
+    (sophia._Sophia, "_propose", "update"),
+    (sophia_h.SophiaH, "_hutchinson", "Hutchinson estimate"),
+    (sophia_g.SophiaG, "_bartlett", "Gauss-Newton-Bartlett estimate"),
 ]
 SYNCS = ("_local_scalar_dense", "nonzero", "equal", "masked_select")  # aten ops that wait for the device
 #: aten ops that launch no kernel (besides views): left out of the operation counts

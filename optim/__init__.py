@@ -2,12 +2,16 @@
 
 from optim.adahessian import AdaHessian
 from optim.cg import CGResult, cg
-from optim.checkpoint import checkpoint
-from optim.curvature import (AutogradLossHessian, CrossEntropyHessian, CurvatureOperator, GGNOperator, HessianOperator,
-                             LossGraphHessian, LossHessian, MSEHessian, functional, ggnvp, hutchinson_diagonal, hvp,
-                             power_iteration, trace)
+from optim.checkpoint import KeptOutputs, checkpoint
+from optim.diagonal import DiagonalEstimator, gauss_newton_bartlett, hutchinson_diagonal
+from optim.functional import functional
+from optim.loss_hessians import AutogradLossHessian, CrossEntropyHessian, LossGraphHessian, LossHessian, MSEHessian
 from optim.newton_cg import NewtonCG
-from optim.sophia import SophiaG, SophiaH, gauss_newton_bartlett
+from optim.operators import CurvatureOperator, GGNOperator, HessianOperator
+from optim.products import ggnvp, hvp
+from optim.sophia_g import SophiaG
+from optim.sophia_h import SophiaH
+from optim.spectrum import power_iteration, trace
 
 __all__ = [
     "AdaHessian",
@@ -15,8 +19,10 @@ __all__ = [
     "CGResult",
     "CrossEntropyHessian",
     "CurvatureOperator",
+    "DiagonalEstimator",
     "GGNOperator",
     "HessianOperator",
+    "KeptOutputs",
     "LossGraphHessian",
     "LossHessian",
     "MSEHessian",

@@ -10,7 +10,7 @@ value, two terms and their sum). :class:`LeanLinearTangents` computes :math:`\do
 in place (``addmm_``), so a product holds the value and one tangent: half as much. The arithmetic
 is the same two matrix products and one sum.
 
-Only what :class:`optim.curvature.GGNOperator`'s forward-mode :math:`J v` runs with
+Only what :class:`optim.operators.GGNOperator`'s forward-mode :math:`J v` runs with
 ``lean_tangents=True``, without an autograd graph, goes through these rules; with gradients enabled
 (forward over reverse), where the backward needs the tangents of saved tensors, PyTorch's own rules
 apply. Being a ``TorchFunctionMode``, it sees every torch call of the forward, which costs a few
@@ -23,19 +23,17 @@ import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import Tensor
-from torch._C._functorch import peek_interpreter_stack
 from torch.overrides import TorchFunctionMode
 
+from optim import _compat
+
 _MATMULS = {torch.matmul, Tensor.matmul, Tensor.__matmul__}
-#: ``__torch_function__`` of tensors whose ``F.linear`` and ``matmul`` are PyTorch's (plain tensors, parameters)
-_DEFAULT_TORCH_FUNCTIONS = (Tensor.__torch_function__.__func__, torch._C._disabled_torch_function_impl)
 
 
 def _plain(x: object) -> bool:
     """Whether ``x`` is no tensor, or one whose type leaves ``__torch_function__`` to PyTorch: a subclass that overrides
     it (say to compute ``F.linear`` its own way) must see every product of the tangent, which ``addmm_`` would skip."""
-    function = getattr(type(x), "__torch_function__", None)
-    return not isinstance(x, Tensor) or getattr(function, "__func__", function) in _DEFAULT_TORCH_FUNCTIONS
+    return not isinstance(x, Tensor) or _compat.torch_function_is_default(x)
 
 
 def _split(x: object) -> tuple[object, Tensor | None]:
@@ -99,4 +97,4 @@ def _lean_applies(args: tuple, kwargs: dict) -> bool:
     """Whether the lean rules may run: outside torch.func transforms (under ``vmap`` over tangents one operand may
     be batched and the buffer not, which an in-place sum cannot hold) and on operands that leave their products to
     PyTorch (:func:`_plain`). Elsewhere PyTorch's rules apply."""
-    return peek_interpreter_stack() is None and all(_plain(x) for x in (*args, *kwargs.values()))
+    return not _compat.inside_functorch_transform() and all(_plain(x) for x in (*args, *kwargs.values()))

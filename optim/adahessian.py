@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from optim import _closure
 from optim import distributed as _dist
-from optim.curvature import Distribution, HessianOperator, hutchinson_diagonal
+from optim import updates
+from optim._gradients import check_dense
+from optim.diagonal import Distribution, hutchinson_diagonal
+from optim.hyperparameters import BETAS, NON_NEGATIVE, POSITIVE, UNIT_INTERVAL, Rule
+from optim.operators import CurvatureOperator, GradientGraphHessian, HessianOperator
+from optim.optimizer import Evaluation, SecondOrderOptimizer, Update
 
 
-class AdaHessian(_closure.SecondOrderOptimizer):
+class AdaHessian(SecondOrderOptimizer):
     r"""AdaHessian: a Hutchinson estimate of the Hessian diagonal every step, in place of Adam's squared gradient.
 
     For step :math:`t` with gradient :math:`g_t` (negated with ``maximize``) and a fresh probe
@@ -74,9 +79,9 @@ class AdaHessian(_closure.SecondOrderOptimizer):
     """
 
     _owner = "AdaHessian"
-    _rules: ClassVar[dict[str, _closure.Rule]] = {
-        "lr": _closure.NON_NEGATIVE, "betas": _closure.BETAS, "eps": _closure.POSITIVE,
-        "weight_decay": _closure.NON_NEGATIVE, "hessian_power": _closure.UNIT_INTERVAL,
+    _rules: ClassVar[dict[str, Rule]] = {
+        "lr": NON_NEGATIVE, "betas": BETAS, "eps": POSITIVE, "weight_decay": NON_NEGATIVE,
+        "hessian_power": UNIT_INTERVAL,
     }  # fmt: skip
 
     def __init__(
@@ -105,82 +110,53 @@ class AdaHessian(_closure.SecondOrderOptimizer):
             generator = _dist.shared_generator(self.param_groups[0]["params"][0].device, self.group)
         self.distribution, self.generator = distribution, generator
 
-    @torch.no_grad()
-    def step(self, closure: _closure.Closure | None = None) -> Tensor | None:  # type: ignore[override]
-        """One AdaHessian step; returns the closure's loss (``None`` without a closure).
+    def _initial_stats(self) -> dict[str, float]:
+        return dict(loss=math.nan, hessian_trace=math.nan, step_skipped=1.0)
 
-        With a closure (forward only, returning the loss or ``(loss, outputs)``) the optimizer
-        takes the gradient with ``create_graph=True`` and the Hessian-vector product itself and
-        leaves the detached gradient in ``p.grad``; a parameter the loss does not reach is skipped
-        (no update, decay or state; ``p.grad`` set to ``None``), as ``torch.optim`` skips one without
-        a gradient. Without one, ``p.grad`` (parameters without one are skipped) must come from
-        ``loss.backward(create_graph=True)``.
-        """
-        loss = None
-        self.stats = dict(loss=float("nan"), hessian_trace=float("nan"), step_skipped=1.0)
-        params, groups = self._trainable()
-        if closure is None:
-            params, groups = self._with_grad(params, groups)
-        if not params:
-            return self._step_without_update(closure)
+    def _prepare(self, params: list[Tensor]) -> None:
         _dist.check_alike(self.generator, params[0].device, self.group, self._owner)
-        unreached = []
-        if closure is not None:
-            result, loss, finite = self._evaluate_loss(closure)
-            if not finite:
-                return loss
-            params, groups, unreached = self._reached(result.loss, params, groups)
-            if not params:  # the loss reaches no parameter: nothing to update
-                _closure.store_grads((), (), unreached)
-                self.stats.update(step_skipped=0.0)
-                return loss
-            with torch.enable_grad(), _closure.graph_errors(self._owner):
-                operator = HessianOperator(result.loss, params)
-                _closure.check_dense(self._owner, operator.gradient)
-                estimate = hutchinson_diagonal(operator, 1, self.distribution, self.generator)
-            del result
-        else:
-            _closure.check_dense(self._owner, (p.grad for p in params))
-            if not any(p.grad.requires_grad for p in params):
-                raise RuntimeError(
-                    "AdaHessian.step() without a closure needs gradients with a graph: call "
-                    "loss.backward(create_graph=True), or pass a closure that returns the loss"
-                )
-            with torch.enable_grad(), _closure.graph_errors(self._owner):
-                operator = _closure.GradientGraphHessian(tuple(p.grad for p in params), params)
-                estimate = hutchinson_diagonal(operator, 1, self.distribution, self.generator)
-        grads = operator.gradient
-        del operator  # frees the gradient's graph (p.grad is replaced by the detached gradient below)
-        averaged = _dist.all_average((*grads, *estimate), self.group)
-        grads, estimate = averaged[: len(params)], averaged[len(params) :]
-        _closure.store_grads(params, grads, unreached)
-        if not _closure.all_finite(grads):
-            _closure.warn_skipped(self._owner, "gradient")
-            return loss
-        if not _closure.all_finite(estimate):
-            _closure.warn_skipped(self._owner, "curvature (Hessian estimate)")
-            return loss
-        items = list(zip(params, groups, grads, estimate))
-        if _closure.apply_if_finite(self._owner, items, lambda item: self._propose(*item), self._commit):
-            self.stats.update(hessian_trace=float(sum(d.sum() for d in estimate)), step_skipped=0.0)
-        return loss
 
-    def _propose(
-        self, p: Tensor, group: dict[str, Any], g: Tensor, d: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """The new parameter, :math:`m` and :math:`v` of one parameter (out of place)."""
+    def _differentiate(self, taken: Evaluation) -> None:
+        """:math:`g_t` and :math:`D_t` of the closure's loss: its gradient with ``create_graph=True``, then one
+        Hessian-vector product."""
+        operator = HessianOperator(taken.result.loss, taken.params)
+        check_dense(self._owner, operator.gradient)
+        self._estimate(operator, taken)
+
+    def _differentiate_gradients(self, taken: Evaluation) -> None:
+        """:math:`g_t` and :math:`D_t` through ``p.grad``, which must carry its graph."""
+        check_dense(self._owner, (p.grad for p in taken.params))
+        if not any(p.grad.requires_grad for p in taken.params):
+            raise RuntimeError(
+                "AdaHessian.step() without a closure needs gradients with a graph: call "
+                "loss.backward(create_graph=True), or pass a closure that returns the loss"
+            )
+        self._estimate(GradientGraphHessian(tuple(p.grad for p in taken.params), taken.params), taken)
+
+    def _estimate(self, operator: CurvatureOperator, taken: Evaluation) -> None:
+        """The gradient the operator is taken at and the Hutchinson estimate :math:`D_t` of its diagonal, averaged
+        over the ranks in one all-reduce (the probes are alike on every rank)."""
+        estimate = hutchinson_diagonal(operator, 1, self.distribution, self.generator)
+        taken.grads, taken.curvature = _dist.all_average_together(operator.gradient, estimate, self.group)
+        taken.checks = {"curvature (Hessian estimate)": taken.curvature}
+
+    def _propose(self, taken: Evaluation) -> Update:
+        """Each parameter's new value, :math:`m` and :math:`v` (:func:`optim.updates.adahessian`), one parameter
+        at a time."""
+        return Update(list(zip(taken.params, taken.groups, taken.grads, taken.curvature)), self._propose_one,
+                      self._commit)
+
+    def _propose_one(self, item: tuple[Tensor, dict[str, Any], Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        p, group, g, d = item
         beta1, beta2 = group["betas"]
-        if group["spatial_average"] and d.dim() == 4:
-            d = d.mean(dim=(2, 3), keepdim=True).expand_as(d)
         state = self.state[p]
         zeros = torch.zeros_like(p, memory_format=torch.preserve_format)
-        m, v = state.get("exp_avg", zeros), state.get("exp_hessian_diag_sq", zeros)
-        step = state.get("step", 0) + 1
-        m = torch.add(m * beta1, -g if group["maximize"] else g, alpha=1 - beta1)
-        v = torch.addcmul(v * beta2, d, d, value=1 - beta2)
-        bias1, bias2 = 1 - beta1**step, 1 - beta2**step
-        denom = (v / bias2).sqrt().pow(group["hessian_power"]).add_(group["eps"])
-        new_p = torch.addcdiv(p * (1 - group["lr"] * group["weight_decay"]), m, denom, value=-group["lr"] / bias1)
+        (new_p,), (m,), (v,) = updates.adahessian(
+            [p], [g], [d], [state.get("exp_avg", zeros)], [state.get("exp_hessian_diag_sq", zeros)],
+            [state.get("step", 0) + 1], lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+            weight_decay=group["weight_decay"], hessian_power=group["hessian_power"],
+            spatial_average=group["spatial_average"], maximize=group["maximize"],
+        )  # fmt: skip
         return new_p, m, v
 
     def _commit(self, item: tuple, new: tuple[Tensor, Tensor, Tensor]) -> None:
@@ -188,3 +164,6 @@ class AdaHessian(_closure.SecondOrderOptimizer):
         p.copy_(new_p)
         state = self.state[p]
         state.update(step=state.get("step", 0) + 1, exp_avg=m, exp_hessian_diag_sq=v)
+
+    def _finish(self, taken: Evaluation, scalars: list[float]) -> None:
+        self.stats.update(hessian_trace=float(sum(d.sum() for d in taken.curvature)), step_skipped=0.0)

@@ -16,7 +16,7 @@ Status = Literal["converged", "progress", "max_iter", "negative_curvature", "bre
 
 
 def _dot(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
-    """:math:`\\sum_i \\langle a_i, b_i \\rangle` as a 0-d tensor."""
+    r""":math:`\sum_i \langle a_i, b_i \rangle` as a 0-d tensor."""
     return sum((x * y).sum() for x, y in zip(a, b, strict=True))
 
 
@@ -55,16 +55,16 @@ class CGIterate:
 
 @dataclass
 class CGResult:
-    """What :func:`cg` found.
+    r"""What :func:`cg` found.
 
     Attributes:
         x: The last iterate.
         iterations: Matrix-vector products spent in the iteration, the one that found negative
             curvature or a non-finite value included (not counting the one for ``x0``).
         status: Why it stopped: ``"converged"`` (residual below ``tol``), ``"progress"`` (Martens'
-            relative-progress rule), ``"max_iter"``, ``"negative_curvature"`` (:math:`p^\\top A p \\le 0`)
+            relative-progress rule), ``"max_iter"``, ``"negative_curvature"`` (:math:`p^\top A p \le 0`)
             or ``"breakdown"`` (a non-finite product; ``x`` is the last finite iterate).
-        objective: :math:`\\phi(x)`.
+        objective: :math:`\phi(x)`.
         iterates: The iterates saved at ``save_at``, in order, always ending with the last one.
     """
 

@@ -22,12 +22,13 @@ PyTorch's own checkpoint does not serve forward mode: in torch 2.11 it raises (n
 2.13 it keeps the tangents of a checkpointed region's activations (pytorch/pytorch#129293), so a
 forward-over-reverse product with it needs ~1.6x the memory of one without. With this one the block's
 activations and tangents exist only while that block is recomputed. The cost is one more forward pass per
-block (with tangents in forward mode), less attention's: the outputs of the block's ``flashbob`` attention calls
-(``O``, its row statistics and, in forward mode, their tangents: ``O(N·d)`` memory each) are kept from the first
-run and reused (``save_attention=True``, the default; :mod:`flashbob.kept`), so the recomputation runs no
-``O(N²·d)`` attention forward (it still runs the attention backward it needs); a recomputation that calls
-attention differently from the first run (its mode or attention implementation switched in between) runs once
-more without them, with a warning. The kept outputs are freed by the backward (unless it retains the graph).
+block (with tangents in forward mode), less what the caller keeps: with ``kept`` (a :class:`KeptOutputs`, such as
+the recipes' kept attention outputs: ``O``, its row statistics and, in forward mode, their tangents, ``O(N·d)``
+memory each) the outputs of the block's dear operations are kept from the first run and reused, so the
+recomputation runs no ``O(N²·d)`` attention forward (it still runs the attention backward it needs); a
+recomputation that calls them differently from the first run (its mode or attention implementation switched in
+between) runs once more without them, with a warning. The kept outputs are freed by the backward (unless it
+retains the graph).
 The random-number state (dropout), the autocast state and the buffers (e.g. batch-norm statistics) of the first
 run are restored for each recomputation, so every run computes the same function and the module's state is
 updated once. Parameters and buffers are swapped by :func:`optim.swap.swapped`, so a module registered more
@@ -52,14 +53,45 @@ import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from flashbob import kept
-from optim import swap
+from optim import _compat, swap
+
+
+class KeptOutputs(Protocol):
+    """Outputs that a checkpointed block's first run keeps so that its recomputation need not compute them again
+    (selective activation checkpointing): the caller of :func:`checkpoint` makes one per call, for the operations it
+    knows (the recipes keep flashbob's attention outputs).
+
+    The first run runs inside :meth:`keeping`, each recomputation inside :meth:`reusing`. A recomputation that
+    calls a kept operation differently from the first run raises :class:`Diverged` inside :meth:`reusing`; one that
+    took fewer kept outputs than were kept is reported by :meth:`mismatch`. Either way the block runs once more,
+    computing everything.
+    """
+
+    def keeping(self) -> AbstractContextManager[Any]:
+        """The context of the first run: the operations inside keep their outputs here (and only here)."""
+        ...
+
+    def reusing(self) -> AbstractContextManager[Any]:
+        """The context of a recomputation: the operations inside take the kept outputs, in the order they were
+        kept, instead of computing them (or compute them, where a kept output was modified in place since)."""
+        ...
+
+    def mismatch(self) -> str | None:
+        """After a recomputation: why the outputs it took may not be those it would have computed (it took fewer
+        than were kept), or ``None``."""
+        ...
+
+
+class Diverged(RuntimeError):
+    """A recomputation called a kept operation differently from the first run (raised in
+    :meth:`KeptOutputs.reusing`); the message says how."""
 
 
 @dataclass
@@ -79,7 +111,7 @@ class _Run:
     tangents: list[Tensor | None] | None = None  # of the inputs and parameters, in forward mode
     level: Tensor | None = None  # a dual tensor of the forward-mode level of the first run: alive while it is
     output: Tensor | None = None  # the first run's output, until the Function takes it
-    attention: kept.KeptOutputs | None = None  # the first run's attention outputs, if kept for the recomputations
+    kept: KeptOutputs | None = None  # the first run's outputs kept for the recomputations
     context: Callable[[], AbstractContextManager] = contextlib.nullcontext  # what each recomputation runs in
 
     def __call__(self, tensors: list[Tensor], buffers: dict[str, Tensor] | None = None) -> Tensor:
@@ -93,25 +125,25 @@ class _Run:
         """The first run, in the caller's random-number and autocast state, under the conditions of the
         recomputations (grad enabled, the same tangents and, in reverse mode, the same tensors requiring grad), so
         that a module that branches on them calls the same operations (and attention) in both; keeps the buffers
-        it changes and the attention outputs. Returns the output and its tangent, detached (the graph recorded is
-        dropped), or ``(None, None)``, with the module's buffers and the random-number state as before it ran, where
-        the output is (a view of) an input or a parameter. In forward mode no tensor requires grad: a graph recorded
-        with tangents would hold itself (saved outputs keep their tangents, whose graph leads back) until a backward
-        this run never gets."""
+        it changes and the outputs :attr:`kept` keeps. Returns the output and its tangent, detached (the graph
+        recorded is dropped), or ``(None, None)``, with the module's buffers and the random-number state as before it
+        ran, where the output is (a view of) an input or a parameter. In forward mode no tensor requires grad: a
+        graph recorded with tangents would hold itself (saved outputs keep their tangents, whose graph leads back)
+        until a backward this run never gets."""
         record = self.tangents is None
         tensors = [t.detach().requires_grad_() if t.requires_grad and record else t.detach() for t in primals]
         # the inputs that require grad as non-leaf copies: a module that changes one in place is refused below,
         # not by autograd's error about leaves
         tensors[: self.n_inputs] = [t.clone() if t.requires_grad else t for t in tensors[: self.n_inputs]]
-        versions = [t._version for t in tensors]
+        versions = [_compat.version(t) for t in tensors]
         if self.tangents is not None:
             tensors = [t if d is None else fwAD.make_dual(t, d) for t, d in zip(tensors, self.tangents)]
         buffers = dict(self.module.named_buffers())
         before = {name: b.clone() for name, b in buffers.items()}
-        with torch.enable_grad(), kept.keeping(self.attention):
+        with torch.enable_grad(), contextlib.nullcontext() if self.kept is None else self.kept.keeping():
             output = fwAD.unpack_dual(self(tensors))
         for i, (t, version) in enumerate(zip(tensors, versions)):
-            if fwAD.unpack_dual(t).primal._version != version:
+            if _compat.version(fwAD.unpack_dual(t).primal) != version:
                 what = f"inputs[{i}]" if i < self.n_inputs else f"parameter {self.names[i - self.n_inputs]!r}"
                 raise RuntimeError(f"checkpoint: the module modified {what} in place; the recomputation in the "
                                    "backward would start from the modified value (use out-of-place operations, "
@@ -131,31 +163,30 @@ class _Run:
         return output.primal.detach(), tangent
 
     def again(self, tensors: list[Tensor]) -> Tensor:
-        """A run that repeats the first (:meth:`_repeat`), reusing the kept attention outputs; where it called
-        attention differently from the first run (:mod:`flashbob.kept`), it runs once more without them."""
-        store = self.attention
-        if store is None:
+        """A run that repeats the first (:meth:`_repeat`), reusing the kept outputs; where it called a kept
+        operation differently from the first run, it runs once more without them."""
+        if self.kept is None:
             return self._repeat(tensors, None)
         try:
-            output = self._repeat(tensors, store)
-            if not store.reusing or store.complete():
+            output = self._repeat(tensors, self.kept)
+            reason = self.kept.mismatch()
+            if reason is None:
                 return output
-            reason = "took fewer of the first run's attention outputs than it kept"
-        except kept.Diverged as error:
+        except Diverged as error:
             reason = str(error)
         warnings.warn(f"checkpoint: the recomputation of a block {reason}; it runs again without them (one more "
                       "forward of the block). A module whose attention differs between the forward and the "
-                      "backward (its mode or implementation switched) does this; save_attention=False avoids "
+                      "backward (its mode or implementation switched) does this; checkpoint(..., kept=None) avoids "
                       "the extra run", RuntimeWarning, stacklevel=2)
         return self._repeat(tensors, None)
 
-    def _repeat(self, tensors: list[Tensor], store: kept.KeptOutputs | None) -> Tensor:
+    def _repeat(self, tensors: list[Tensor], kept: KeptOutputs | None) -> Tensor:
         """The block on ``tensors`` with the first run's random numbers, autocast, buffers and ``context``, taking
-        attention outputs from ``store`` (None: computing them); the caller's generators and the module's buffers
-        are left as found."""
+        the outputs ``kept`` kept (None: computing them); the caller's generators and the module's buffers are left
+        as found."""
         with torch.random.fork_rng(devices=self.devices, device_type=self.device_type), \
                 torch.autocast(self.device_type, dtype=self.autocast[1], enabled=self.autocast[0]), \
-                self.context(), kept.reusing(store):
+                self.context(), contextlib.nullcontext() if kept is None else kept.reusing():
             torch.set_rng_state(self.cpu_rng)
             if self.devices:
                 set_device_states(self.devices, self.device_rng, device_type=self.device_type)
@@ -236,21 +267,22 @@ class _Recomputed(torch.autograd.Function):
                 return (None,) * (1 + len(needs))
             _refuse_captured(output, wrt)
             grads = iter(torch.autograd.grad(output, wrt, grad, allow_unused=True, create_graph=create))
-        if not torch._C._autograd._get_current_graph_task_keep_graph():
-            # this backward frees the graph's saved tensors: the kept attention outputs and the tangents go with
-            # them, not when the last reference to the graph does (as torch.utils.checkpoint frees its own)
-            run.attention = run.tangents = run.level = None
+        if not _compat.backward_keeps_graph():
+            # this backward frees the graph's saved tensors: the kept outputs and the tangents go with them, not
+            # when the last reference to the graph does (as torch.utils.checkpoint frees its own)
+            run.kept = run.tangents = run.level = None
         return (None, *(next(grads) if need else None for need in needs))
 
 
-def checkpoint(module: nn.Module, *inputs: Tensor, save_attention: bool = True,
+def checkpoint(module: nn.Module, *inputs: Tensor, kept: KeptOutputs | None = None,
                context: Callable[[], AbstractContextManager] | None = None) -> Tensor:
     """``module(*inputs)`` (one tensor out), keeping only ``inputs`` for the backward, which runs ``module``
     again; differentiable in reverse mode (also twice) and in forward-over-reverse (module docstring).
 
-    With ``save_attention`` (the default) the outputs of the module's ``flashbob`` attention calls (``O`` and its
-    row statistics, and in forward mode their tangents) are kept too and reused by the recomputation, which
-    then skips attention's forward kernels: ``O(N·d)`` more memory per call for ``O(N²·d)`` less work.
+    With ``kept`` (a :class:`KeptOutputs` of this call's own) the outputs it keeps (the recipes keep those of
+    flashbob's attention calls: ``O`` and its row statistics, and in forward mode their tangents) are kept too and
+    reused by the recomputation, which then skips their forward kernels: ``O(N·d)`` more memory per attention
+    call for ``O(N²·d)`` less work.
 
     ``context``, if given, makes the context manager each recomputation runs in: a state that the first run ran
     in and the backward does not (e.g. the recipes' ``AttentionSwitch.for_curvature``), so that the recomputation
@@ -263,7 +295,7 @@ def checkpoint(module: nn.Module, *inputs: Tensor, save_attention: bool = True,
                             "other arguments in the module (a tensor that requires grad must be an input)")
     if not torch.is_grad_enabled():  # no graph, no backward: nothing to keep or recompute
         return module(*inputs)
-    if torch._C._are_functorch_transforms_active():
+    if _compat.functorch_transforms_active():
         warnings.warn("checkpoint: under torch.func transforms (grad, vjp, jvp, vmap, hessian) the module runs without "
                       "checkpointing (its activations are kept); use torch.autograd or optim.hvp to checkpoint",
                       RuntimeWarning, stacklevel=2)
@@ -274,7 +306,7 @@ def checkpoint(module: nn.Module, *inputs: Tensor, save_attention: bool = True,
     devices, device_rng = get_device_states(*inputs) if device_type != "cpu" else ([], [])
     run = _Run(module, [name for name, _ in named], len(inputs), device_type,
                (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)),
-               devices=devices, device_rng=device_rng, attention=kept.KeptOutputs() if save_attention else None,
+               devices=devices, device_rng=device_rng, kept=kept,
                context=context or contextlib.nullcontext)
     unpacked = [fwAD.unpack_dual(t) for t in tensors]
     primals, tangents = [u.primal for u in unpacked], [u.tangent for u in unpacked]

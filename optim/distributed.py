@@ -1,11 +1,11 @@
-"""Averaging gradients, curvature products and losses over data-parallel ranks for the second-order optimizers.
+r"""Averaging gradients, curvature products and losses over data-parallel ranks for the second-order optimizers.
 
 Data parallelism splits a batch over :math:`R` processes ("ranks"). When every rank's loss is
-the mean over an equal share of the batch, :math:`L = \\frac1R \\sum_r L_r`, so every quantity
+the mean over an equal share of the batch, :math:`L = \frac1R \sum_r L_r`, so every quantity
 that is linear in the loss is the rank average of its local values:
 
-.. math:: \\nabla L = \\frac1R \\sum_r \\nabla L_r, \\qquad
-          H v = \\frac1R \\sum_r H_r v, \\qquad G v = \\frac1R \\sum_r G_r v.
+.. math:: \nabla L = \frac1R \sum_r \nabla L_r, \qquad
+          H v = \frac1R \sum_r H_r v, \qquad G v = \frac1R \sum_r G_r v.
 
 DDP averages gradients in hooks that only ``loss.backward()`` runs; ``torch.autograd.grad``,
 which the optimizers of :mod:`optim` use for gradients and curvature products, bypasses them.
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from optim.curvature import CurvatureOperator
+from optim.operators import CurvatureOperator
 
 Group = dist.ProcessGroup | None
 #: What the optimizers' ``distributed`` argument takes: ``False``, ``True`` (the default group) or a group.
@@ -90,6 +90,14 @@ def all_average(tensors: Sequence[Tensor], group: Group) -> tuple[Tensor, ...]:
                 bucket.append(i)
                 numel += tensors[i].numel()
     return tuple(out)
+
+
+def all_average_together(
+    first: Sequence[Tensor], second: Sequence[Tensor], group: Group
+) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """:func:`all_average` of both sequences in one call (a gradient and a curvature estimate), split again."""
+    averaged = all_average((*first, *second), group)
+    return averaged[: len(first)], averaged[len(first) :]
 
 
 def average_loss(loss: Tensor, group: Group) -> Tensor:
@@ -159,7 +167,7 @@ class AveragedOperator(CurvatureOperator):
     the same on every rank. With ``group=None`` it is the local operator.
 
     Args:
-        operator: This rank's operator (e.g. a :class:`~optim.curvature.GGNOperator` on its shard).
+        operator: This rank's operator (e.g. a :class:`~optim.operators.GGNOperator` on its shard).
         group: A process group from :func:`resolve`, or ``None``.
     """
 
@@ -168,5 +176,5 @@ class AveragedOperator(CurvatureOperator):
         self.local, self.group = operator, group
 
     def matvec(self, vec: Sequence[Tensor]) -> tuple[Tensor, ...]:
-        """Return :math:`\\frac1R \\sum_r A_r v`, one tensor per parameter."""
+        r"""Return :math:`\frac1R \sum_r A_r v`, one tensor per parameter."""
         return all_average(self.local.matvec(vec), self.group)

@@ -5,7 +5,6 @@ and leaves the random-number generator as the plain model does."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gc
 import importlib
 import warnings
@@ -21,7 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import flashbob
 import optim
 from flashbob import blocked, kept
-from optim.curvature import CrossEntropyHessian, GGNOperator, active_dropout
+from optim import CrossEntropyHessian, GGNOperator
+from optim.forward_mode_checks import active_dropout
+from recipes.common.transformer import KeptAttention
 from recipes.lm.model import GPT, cross_entropy
 from tests.helpers import BACKENDS, exact_tolerance, on_backend
 
@@ -305,7 +306,14 @@ def test_an_output_that_needs_no_gradient_gets_none() -> None:
     assert grad is None
 
 
-# Attention outputs kept from the first run (save_attention=True) and reused by the recomputation.
+# Attention outputs kept from the first run (KeptAttention) and reused by the recomputation.
+
+
+def checkpoint(module: nn.Module, *inputs: torch.Tensor) -> torch.Tensor:
+    """``optim.checkpoint`` keeping the module's flashbob attention outputs for the recomputation, as the recipe
+    GPT's blocks do."""
+    return optim.checkpoint(module, *inputs, kept=KeptAttention())
+
 
 class Attend(nn.Module):
     """Self-attention of ``x`` ``(batch, heads, n, 3 * head_dim)`` split into q, k, v, through flashbob."""
@@ -337,13 +345,12 @@ def attention_calls(monkeypatch) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("save_attention", [True, False])
-def test_the_recomputation_reuses_the_attention_outputs(attention_calls, monkeypatch, save_attention: bool) -> None:
+def test_the_recomputation_reuses_the_attention_outputs(attention_calls, save_attention: bool) -> None:
     """The recipe GPT (3 blocks) gives the plain model's products either way; with save_attention the backend runs
     attention's forward and forward tangent as often as without checkpointing, without it more often."""
-    monkeypatch.setattr(optim, "checkpoint", functools.partial(optim.checkpoint, save_attention=save_attention))
     torch.manual_seed(0)
     model = GPT(vocab_size=VOCAB, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, mlp="gelu",
-                attention="blocked").double()
+                attention="blocked", save_attention=save_attention).double()
     tokens = torch.randint(0, VOCAB, (2, 19))
     vec = [torch.randn_like(p) for p in model.parameters()]
     counts = {}
@@ -375,7 +382,7 @@ def test_a_kept_output_modified_in_place_is_computed_again(attention_calls) -> N
     the recomputation computes it again (without checkpointing the backward would refuse the changed O)."""
     x = torch.randn(1, 2, 7, 12, dtype=torch.float64, requires_grad=True)
     block = Remembering()
-    y = optim.checkpoint(block, x)
+    y = checkpoint(block, x)
     with torch.no_grad():
         block.last.mul_(3)
     got = torch.autograd.grad(y.square().sum(), [x])[0]
@@ -386,7 +393,7 @@ def test_a_kept_output_modified_in_place_is_computed_again(attention_calls) -> N
 
 def test_a_backward_twice_reuses_the_outputs_twice(attention_calls) -> None:
     x = torch.randn(2, 2, 9, 12, dtype=torch.float64, requires_grad=True)
-    y = optim.checkpoint(Attend(), x).sin().sum()
+    y = checkpoint(Attend(), x).sin().sum()
     first = torch.autograd.grad(y, [x], retain_graph=True)[0]
     second = torch.autograd.grad(y, [x])[0]
     want = torch.autograd.grad(Attend()(x).sin().sum(), [x])[0]
@@ -403,7 +410,7 @@ def test_a_recomputation_that_calls_attention_differently_runs_again_without_the
     grads = []
     for save_attention in (False, True):
         block = Attend(causal=True)
-        y = optim.checkpoint(block, x, save_attention=save_attention).sum()
+        y = optim.checkpoint(block, x, kept=KeptAttention() if save_attention else None).sum()
         block.causal = False
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -431,7 +438,7 @@ def test_a_recomputation_that_takes_fewer_kept_outputs_runs_again_without_them()
     x = torch.randn(1, 2, 5, 12, dtype=torch.float64, requires_grad=True)
     want = torch.autograd.grad(TwoAttentions()(x).sum(), [x])[0]
     block = TwoAttentions()
-    y = optim.checkpoint(block, x).sum()
+    y = checkpoint(block, x).sum()
     block.switched = True
     with pytest.warns(RuntimeWarning, match="took fewer of the first run's attention outputs than it kept"):
         got = torch.autograd.grad(y, [x])[0]
@@ -456,7 +463,7 @@ class CheckpointsWithGradOnly(nn.Module):
         self.inner, self.own = SelfAttention(), SelfAttention()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.own(optim.checkpoint(self.inner, x) if torch.is_grad_enabled() else self.inner(x))
+        return self.own(checkpoint(self.inner, x) if torch.is_grad_enabled() else self.inner(x))
 
 
 class LearnableKeyBias(nn.Module):
@@ -489,7 +496,7 @@ def test_blocks_that_branch_on_grad_mode_or_requires_grad(make) -> None:
         warnings.simplefilter("ignore", flashbob.FallbackWarning)
         warnings.simplefilter("error", RuntimeWarning)  # no second recomputation either
         assert_same_products(block, lambda: block(x).square().sum(),
-                             lambda: optim.checkpoint(block, x).square().sum())
+                             lambda: checkpoint(block, x).square().sum())
 
 
 def test_an_encoder_layer_in_eval_mode_under_patch_sdpa() -> None:
@@ -499,7 +506,7 @@ def test_an_encoder_layer_in_eval_mode_under_patch_sdpa() -> None:
     layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True).double().eval()
     x = torch.randn(2, 5, 16, dtype=torch.float64)
     with flashbob.patch_sdpa(backend="blocked"):
-        assert_same_products(layer, lambda: layer(x).square().sum(), lambda: optim.checkpoint(layer, x).square().sum())
+        assert_same_products(layer, lambda: layer(x).square().sum(), lambda: checkpoint(layer, x).square().sum())
 
 
 def test_the_backward_frees_the_kept_outputs(monkeypatch) -> None:
@@ -528,7 +535,7 @@ def test_kept_outputs_through_both_backends_in_both_modes(backend: str) -> None:
     x, = on_backend(backend, torch.randn(1, 2, 11, 12, dtype=torch.float64))
     block = block.to(x)
 
-    assert_same_products(block, lambda: block(x).square().sum(), lambda: optim.checkpoint(block, x).square().sum(),
+    assert_same_products(block, lambda: block(x).square().sum(), lambda: checkpoint(block, x).square().sum(),
                          rtol=exact_tolerance(x), atol=exact_tolerance(x))
 
 
@@ -564,7 +571,7 @@ class Checkpointed(nn.Module):
         self.block = block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return optim.checkpoint(self.block, x)
+        return checkpoint(self.block, x)
 
 
 @pytest.mark.parametrize("mode", ["reverse", "forward"])
@@ -618,5 +625,5 @@ def test_torch_func_transforms_run_the_module_plainly_with_a_warning() -> None:
     block = nn.Sequential(nn.Linear(3, 3), nn.Tanh()).double()
     x = torch.randn(4, 3, dtype=torch.float64)
     with pytest.warns(RuntimeWarning, match="under torch.func transforms"):
-        got = torch.func.grad(lambda x: optim.checkpoint(block, x).sum())(x)
+        got = torch.func.grad(lambda x: checkpoint(block, x).sum())(x)
     torch.testing.assert_close(got, torch.func.grad(lambda x: block(x).sum())(x), rtol=0, atol=0)

@@ -69,7 +69,7 @@ class Probes:
 @pytest.fixture
 def probes(monkeypatch) -> Probes:
     probes = Probes()
-    monkeypatch.setattr(optim.curvature, "_probe", probes)
+    monkeypatch.setattr(optim.diagonal, "_probe", probes)
     # Not what is tested here, and slow: tuning compiles and times every candidate launch config.
     monkeypatch.setenv("FLASHBOB_AUTOTUNE", "0")
     return probes

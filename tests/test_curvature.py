@@ -1,4 +1,4 @@
-"""Curvature products and estimators of optim.curvature against dense torch.func references in float64."""
+"""Curvature products and estimators of optim against dense torch.func references in float64."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from optim import (
     power_iteration,
     trace,
 )
-from optim.curvature import active_dropout
+from optim.forward_mode_checks import active_dropout
 from recipes.common.transformer import Transformer
 from tests.helpers import assert_matches, needs_interpreter
 from tests.models import MLP

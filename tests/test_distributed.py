@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from benchmarks.environment import child_environment
 from optim import AdaHessian, NewtonCG, SophiaG, SophiaH
 from optim import distributed as odist
+from optim.preconditioner import label_generator
 from recipes.common import data
 from recipes.common.transformer import Transformer
 from tests.helpers import assert_matches
@@ -115,7 +116,7 @@ def _optimizer_results(rank: int) -> dict:
     results["partly_reached"] = {name: partly_reached(factory, [rank]) for name, factory in PARTLY.items()}
     results["plain_partly"] = {name: plain_partly(factory, [rank]) for name, factory in PLAIN.items()}
     bartlett = NewtonCG([torch.nn.Parameter(torch.zeros(2))], preconditioner="bartlett", distributed=True)
-    results["label_state"] = bartlett._label_generator().get_state()
+    results["label_state"] = label_generator(bartlett.generator, bartlett.group).get_state()
     results["probe_state"] = bartlett.generator.get_state()
     zeros = [torch.nn.Parameter(torch.zeros(2))]
     results["default_generators"] = {"sophiag": SophiaG(zeros, distributed=True).generator.get_state(),

@@ -11,7 +11,7 @@ import torch
 
 from benchmarks import profile_step
 from optim import newton_cg
-from optim.curvature import GGNOperator
+from optim.operators import GGNOperator
 from tests.runs import ROOT
 
 MICRO = [

@@ -18,8 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.profile_step import Counter, Profiler
 from optim import AdaHessian, NewtonCG, SophiaG, SophiaH, cg, hvp
-from optim import curvature as curvature_module
-from optim.curvature import CrossEntropyHessian, GGNOperator, functional
+from optim import CrossEntropyHessian, GGNOperator, _autodiff, functional
 from recipes.common.config import ConfigError
 from recipes.common.transformer import AttentionSwitch, Transformer
 from recipes.lm import optimizers
@@ -558,12 +557,12 @@ def test_forward_mode_gauss_newton_step_through_flashbob_attention(monkeypatch):
     the linear layers or the lean ones (lean_tangents: each J v runs under them); the same step as reverse mode."""
     entered = []
 
-    class Recorded(curvature_module.LeanLinearTangents):
+    class Recorded(_autodiff.LeanLinearTangents):
         def __enter__(self):
             entered.append(1)
             return super().__enter__()
 
-    monkeypatch.setattr(curvature_module, "LeanLinearTangents", Recorded)
+    monkeypatch.setattr(_autodiff, "LeanLinearTangents", Recorded)
     torch.manual_seed(0)
     config = dict(vocab_size=11, n_outputs=11, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, attention="blocked")
     models = {"reverse": Transformer(**config).double()}

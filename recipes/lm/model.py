@@ -22,6 +22,7 @@ import optim
 from recipes.common.transformer import (
     AttentionFn,
     AttentionSwitch,
+    KeptAttention,
     RMSNorm,
     kv_heads,
     mlp_hidden,
@@ -106,7 +107,9 @@ class GPT(nn.Module):
     ``attention`` names the attention (:func:`~recipes.common.transformer.attention_function`); every
     block calls :attr:`attention`, an :class:`~recipes.common.transformer.AttentionSwitch`, so
     ``with model.attention.for_curvature():`` makes the model twice differentiable for a pass. ``window``: each
-    query sees itself and the ``window - 1`` tokens before it (None: every earlier token).
+    query sees itself and the ``window - 1`` tokens before it (None: every earlier token). With
+    ``checkpoint_activations`` every block runs through ``optim.checkpoint``, which keeps its attention outputs for
+    the recomputation if ``save_attention`` (:class:`~recipes.common.transformer.KeptAttention`).
     """
 
     def __init__(
@@ -124,12 +127,13 @@ class GPT(nn.Module):
         tie_embeddings: bool = True,
         dropout: float = 0.0,
         checkpoint_activations: bool = False,
+        save_attention: bool = True,
         attention: str = "auto",
         window: int | None = None,
     ):
         super().__init__()
         n_kv_heads = kv_heads(d_model, n_heads, n_kv_heads)
-        self.checkpoint_activations = checkpoint_activations
+        self.checkpoint_activations, self.save_attention = checkpoint_activations, save_attention
         self.attention = attend = AttentionSwitch(attention)
         self.embed = nn.Embedding(vocab_size, d_model)
         self.blocks = nn.ModuleList(
@@ -157,7 +161,8 @@ class GPT(nn.Module):
         extra = () if document_ids is None else (document_ids,)
         for block in self.blocks:
             if self.checkpoint_activations and torch.is_grad_enabled():
-                x = optim.checkpoint(block, x, *extra, context=self.attention.current())
+                kept = KeptAttention() if self.save_attention else None
+                x = optim.checkpoint(block, x, *extra, kept=kept, context=self.attention.current())
             else:
                 x = block(x, *extra)
         return self.head(self.norm(x))
