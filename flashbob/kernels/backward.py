@@ -51,9 +51,8 @@ def _dkdv_inner(
         delta = common.load_rows(delta_base, rows, N)
         p_t = common.probabilities_transposed(k, q, row_max, log_sum, rows, keys, N, M, qk_scale, lo, hi, key_ids,
                                               q_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles,
-                                              key_tiles, MASKED=MASKED, PRECISION=PRECISION,
-                                              DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS,
-                                              TILE_COLS=TILE_COLS, HAS_KEY_MASK=HAS_KEY_MASK)
+                                              key_tiles, MASKED, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
+                                              HAS_KEY_MASK)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -91,8 +90,8 @@ def _dkdv_kernel(
     v = common.load_block(v_src, start_n, keys, M, stride_vn, HEAD_DIM, BLOCK_D, TMA)
 
     lo, hi, key_ids, q_ids_base, tiles_base, start, whole_start, whole_end, end = common.column_masks(
-        keys, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
-        key_tiles, BLOCK_M, BAND, DOCUMENTS, TILES)
+        keys, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles, key_tiles, BLOCK_M,
+        BAND, DOCUMENTS, TILES)
     for member in tl.range(group, num_stages=1):  # never pipelined: common.group_query_head
         _, _, q_base, do_base, stats_base, delta_base = common.group_query_head(
             Q, DO, STATS, DELTA, batch, heads, kv_head, group, member, N, stride_qb, stride_qh, stride_dob, stride_doh)
@@ -130,11 +129,9 @@ def _dq_inner(
         keys = start_n + tl.arange(0, BLOCK_N)
         k = common.load_block(k_src, start_n, keys, M, stride_kn, HEAD_DIM, BLOCK_D, TMA)
         v = common.load_block(v_src, start_n, keys, M, stride_vn, HEAD_DIM, BLOCK_D, TMA)
-        p = common.probabilities(q, k, row_max, log_sum, keys, M, qk_scale, lo, hi, row_ids, k_ids_base,
-                                 key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED=MASKED,
-                                 PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS,
-                                 TILE_COLS=TILE_COLS,
-                                 HAS_KEY_MASK=HAS_KEY_MASK)
+        p = common.probabilities(q, k, row_max, log_sum, keys, M, qk_scale, lo, hi, row_ids, k_ids_base, key_mask_base,
+                                 own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED, PRECISION, DOCUMENTS,
+                                 TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
@@ -174,8 +171,8 @@ def _dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
 
     lo, hi, row_ids, k_ids_base, tiles_base, start, whole_start, whole_end, end = common.row_masks(
-        rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
-        key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
+        rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles, key_tiles, BLOCK_N,
+        BAND, DOCUMENTS, TILES)
     for phase in tl.static_range(3):  # the masked blocks, the whole ones, the masked ones
         first, last = common.sweep_phase(phase, start, whole_start, whole_end, end)
         dq = _dq_inner(

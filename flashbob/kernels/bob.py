@@ -48,15 +48,12 @@ def _bob_tile(
     if TRANSPOSED:
         p = common.probabilities_transposed(k, q, row_max, log_sum, rows, keys, N, M, qk_scale, lo, hi, own_ids,
                                             other_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles,
-                                            key_tiles, MASKED=MASKED, PRECISION=PRECISION,
-                                            DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS, TILE_COLS=TILE_COLS,
-                                            HAS_KEY_MASK=HAS_KEY_MASK)
+                                            key_tiles, MASKED, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
+                                            HAS_KEY_MASK)
     else:
         p = common.probabilities(q, k, row_max, log_sum, keys, M, qk_scale, lo, hi, own_ids, other_ids_base,
-                                 key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED=MASKED,
-                                 PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS,
-                                 TILE_COLS=TILE_COLS,
-                                 HAS_KEY_MASK=HAS_KEY_MASK)
+                                 key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED, PRECISION,
+                                 DOCUMENTS, TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK)
     dp, dp_centered, a_bar, b_bar = p, p, p, p
     if WITH_DO:
         dp = common.tile_product(do, v, TRANSPOSED=TRANSPOSED, PRECISION=PRECISION)
@@ -222,8 +219,8 @@ def _bob_rows_kernel(
     delta = common.load_rows(common.row_vector_pointer(DELTA, batch_head, N), rows, N)
     acc_dtype = DELTA.dtype.element_ty
     lo, hi, row_ids, k_ids_base, tiles_base, start, whole_start, whole_end, end = common.row_masks(
-        rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
-        key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
+        rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles, key_tiles, BLOCK_N,
+        BAND, DOCUMENTS, TILES)
 
     if SWEEP == "bob_scalars":
         a = tl.zeros([BLOCK_M], dtype=acc_dtype)
@@ -339,8 +336,8 @@ def _bob_columns_kernel(
                                                 HAS_DV_BAR, TMA)
 
     lo, hi, key_ids, q_ids_base, tiles_base, start, whole_start, whole_end, end = common.column_masks(
-        keys, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
-        key_tiles, BLOCK_M, BAND, DOCUMENTS, TILES)
+        keys, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles, key_tiles, BLOCK_M,
+        BAND, DOCUMENTS, TILES)
     for member in tl.range(group, num_stages=1):  # never pipelined: common.group_query_head
         head, batch_head, q_base, do_base, stats_base, delta_base = common.group_query_head(
             Q, DO, STATS, DELTA, batch, heads, kv_head, group, member, N, stride_qb, stride_qh, stride_dob, stride_doh)

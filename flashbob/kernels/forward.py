@@ -79,8 +79,8 @@ def _forward_kernel(
     row_sum = tl.zeros([BLOCK_M], dtype=acc_dtype)
 
     lo, hi, row_ids, k_ids_base, tiles_base, start, whole_start, whole_end, end = common.row_masks(
-        rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
-        key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
+        rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles, key_tiles, BLOCK_N,
+        BAND, DOCUMENTS, TILES)
     for phase in tl.static_range(3):  # the masked blocks, the whole ones, the masked ones
         first, last = common.sweep_phase(phase, start, whole_start, whole_end, end)
         acc, row_max, row_sum = _forward_inner(

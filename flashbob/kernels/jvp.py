@@ -78,11 +78,9 @@ def _o_dot_inner(
     for start_n in range(start, end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
         k = common.load_block(k_src, start_n, keys, M, stride_kn, HEAD_DIM, BLOCK_D, TMA)
-        p = common.probabilities(q, k, row_max, log_sum, keys, M, qk_scale, lo, hi, row_ids, k_ids_base,
-                                 key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED=MASKED,
-                                 PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS,
-                                 TILE_COLS=TILE_COLS,
-                                 HAS_KEY_MASK=HAS_KEY_MASK)
+        p = common.probabilities(q, k, row_max, log_sum, keys, M, qk_scale, lo, hi, row_ids, k_ids_base, key_mask_base,
+                                 own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED, PRECISION, DOCUMENTS,
+                                 TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK)
         if HAS_Q_DOT or HAS_K_DOT:
             v, p_s_dot = _p_s_dot(p, q, q_dot, k, v_src, k_dot_src, stride_vn, stride_kdn, start_n, keys, M, scale,
                                   HEAD_DIM, BLOCK_D, HAS_Q_DOT=HAS_Q_DOT, HAS_K_DOT=HAS_K_DOT, PRECISION=PRECISION,
@@ -134,8 +132,8 @@ def _o_dot_kernel(
                                                                   stride_vn, stride_kdn, stride_vdn, HEAD_DIM, BLOCK_N,
                                                                   BLOCK_D, HAS_K_DOT, HAS_V_DOT, TMA)
     lo, hi, row_ids, k_ids_base, tiles_base, start, whole_start, whole_end, end = common.row_masks(
-        rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
-        key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
+        rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles, key_tiles, BLOCK_N,
+        BAND, DOCUMENTS, TILES)
     for phase in tl.static_range(3):  # the masked blocks, the whole ones, the masked ones
         first, last = common.sweep_phase(phase, start, whole_start, whole_end, end)
         acc, r_rounded = _o_dot_inner(
@@ -173,11 +171,9 @@ def _row_scalars_inner(
     for start_n in range(start, end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
         k = common.load_block(k_src, start_n, keys, M, stride_kn, HEAD_DIM, BLOCK_D, TMA)
-        p = common.probabilities(q, k, row_max, log_sum, keys, M, qk_scale, lo, hi, row_ids, k_ids_base,
-                                 key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED=MASKED,
-                                 PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS,
-                                 TILE_COLS=TILE_COLS,
-                                 HAS_KEY_MASK=HAS_KEY_MASK)
+        p = common.probabilities(q, k, row_max, log_sum, keys, M, qk_scale, lo, hi, row_ids, k_ids_base, key_mask_base,
+                                 own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED, PRECISION, DOCUMENTS,
+                                 TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK)
         x = tl.zeros_like(p)
         if HAS_Q_DOT or HAS_K_DOT:
             v, p_s_dot = _p_s_dot(p, q, q_dot, k, v_src, k_dot_src, stride_vn, stride_kdn, start_n, keys, M, scale,
@@ -238,8 +234,8 @@ def _row_scalars_kernel(
                                                                       stride_vn, stride_kdn, stride_vdn, HEAD_DIM,
                                                                       BLOCK_N, BLOCK_D, HAS_K_DOT, HAS_V_DOT, TMA)
         lo, hi, row_ids, k_ids_base, tiles_base, start, whole_start, whole_end, end = common.row_masks(
-            rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
-            key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
+            rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles, key_tiles,
+            BLOCK_N, BAND, DOCUMENTS, TILES)
         for phase in tl.static_range(3):  # the masked blocks, the whole ones, the masked ones
             first, last = common.sweep_phase(phase, start, whole_start, whole_end, end)
             r_dot, delta_dot = _row_scalars_inner(
@@ -284,11 +280,9 @@ def _dq_dot_inner(
         k, v, k_dot, v_dot = common.load_tile_group(k_src, v_src, k_dot_src, v_dot_src, start_n, keys, M, stride_kn,
                                                     stride_vn, stride_kdn, stride_vdn, HEAD_DIM, BLOCK_D, HAS_K_DOT,
                                                     HAS_V_DOT, TMA)
-        p = common.probabilities(q, k, row_max, log_sum, keys, M, qk_scale, lo, hi, row_ids, k_ids_base,
-                                 key_mask_base, own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED=MASKED,
-                                 PRECISION=PRECISION, DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS,
-                                 TILE_COLS=TILE_COLS,
-                                 HAS_KEY_MASK=HAS_KEY_MASK)
+        p = common.probabilities(q, k, row_max, log_sum, keys, M, qk_scale, lo, hi, row_ids, k_ids_base, key_mask_base,
+                                 own, tiles_base, tile_bits, query_tiles, key_tiles, MASKED, PRECISION, DOCUMENTS,
+                                 TILES, TILE_ROWS, TILE_COLS, HAS_KEY_MASK)
         dp_centered = tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None]
         g = tl.zeros_like(p) - delta_dot[:, None]
         if HAS_Q_DOT or HAS_K_DOT:
@@ -345,8 +339,8 @@ def _dq_dot_kernel(
                                                                   stride_vn, stride_kdn, stride_vdn, HEAD_DIM, BLOCK_N,
                                                                   BLOCK_D, HAS_K_DOT, HAS_V_DOT, TMA)
     lo, hi, row_ids, k_ids_base, tiles_base, start, whole_start, whole_end, end = common.row_masks(
-        rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
-        key_tiles, BLOCK_N, BAND, DOCUMENTS, TILES)
+        rows, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles, key_tiles, BLOCK_N,
+        BAND, DOCUMENTS, TILES)
     for phase in tl.static_range(3):  # the masked blocks, the whole ones, the masked ones
         first, last = common.sweep_phase(phase, start, whole_start, whole_end, end)
         dq_dot = _dq_dot_inner(
@@ -393,9 +387,8 @@ def _dk_dot_dv_dot_inner(
         delta_dot = common.load_rows(delta_dot_base, rows, N)
         p_t = common.probabilities_transposed(k, q, row_max, log_sum, rows, keys, N, M, qk_scale, lo, hi, key_ids,
                                               q_ids_base, key_mask_base, own, tiles_base, tile_bits, query_tiles,
-                                              key_tiles, MASKED=MASKED, PRECISION=PRECISION,
-                                              DOCUMENTS=DOCUMENTS, TILES=TILES, TILE_ROWS=TILE_ROWS,
-                                              TILE_COLS=TILE_COLS, HAS_KEY_MASK=HAS_KEY_MASK)
+                                              key_tiles, MASKED, PRECISION, DOCUMENTS, TILES, TILE_ROWS, TILE_COLS,
+                                              HAS_KEY_MASK)
         dp_centered_t = tl.dot(v, tl.trans(do), input_precision=PRECISION) - delta[None, :]
         g_t = tl.zeros_like(p_t) - delta_dot[None, :]
         if HAS_Q_DOT or HAS_K_DOT:
@@ -454,8 +447,8 @@ def _dk_dot_dv_dot_kernel(
                                                 HAS_V_DOT, TMA)
 
     lo, hi, key_ids, q_ids_base, tiles_base, start, whole_start, whole_end, end = common.column_masks(
-        keys, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles,
-        key_tiles, BLOCK_M, BAND, DOCUMENTS, TILES)
+        keys, batch, N, M, IDS_Q, IDS_K, RANGES, window_left, window_right, TILE_STATE, query_tiles, key_tiles, BLOCK_M,
+        BAND, DOCUMENTS, TILES)
     for member in tl.range(group, num_stages=1):  # never pipelined: common.group_query_head
         head, batch_head, q_base, do_base, stats_base, delta_base = common.group_query_head(
             Q, DO, STATS, DELTA, batch, heads, kv_head, group, member, N, stride_qb, stride_qh, stride_dob, stride_doh)
