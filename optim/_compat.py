@@ -1,7 +1,8 @@
 """The private torch APIs that optim relies on, each behind one function that says why it is needed.
 
-Checked with torch 2.11 and 2.13. ``tests/test_optim_compat.py`` checks every one of them on a tiny case and names
-the API that a torch release broke. A function here that stops working is the one place to mend.
+Each is in use with torch 2.11 and 2.13, the releases this package is tested with. ``tests/test_optim_compat.py``
+checks every one of them on a tiny case, with the installed torch, and names the API that a release broke: a
+function here is then the one place to mend.
 
 Not wrapped: ``torch._foreach_*``, the multi-tensor operations that torch.optim's own optimizers are built on
 (documented under "Foreach Operations" in torch's reference); the test checks that each one optim calls exists.

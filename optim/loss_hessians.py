@@ -30,7 +30,8 @@ DEFAULT_CHUNK_ELEMENTS = 2**24
 
 
 def check_reduction(reduction: str, owner: str) -> None:
-    """Raise ``ValueError`` unless ``reduction`` is ``"mean"`` or ``"sum"`` (any other value was taken as ``"sum"``)."""
+    """Raise ``ValueError`` unless ``reduction`` is ``"mean"`` or ``"sum"`` (the products would take any other value
+    for ``"sum"``)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"{owner}: reduction must be 'mean' or 'sum', got {reduction!r}")
 

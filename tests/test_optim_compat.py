@@ -13,7 +13,8 @@ import torch.utils.checkpoint
 from torch import nn
 
 from optim import _compat
-from tests.runs import ROOT
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def require(path: str) -> None:

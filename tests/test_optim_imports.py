@@ -6,9 +6,11 @@ from __future__ import annotations
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 import optim
-from tests.runs import ROOT
+
+ROOT = Path(__file__).resolve().parent.parent
 
 NO_FLASHBOB = "assert not any(m == 'flashbob' or m.startswith('flashbob.') for m in sys.modules)"
 
