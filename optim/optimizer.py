@@ -128,9 +128,10 @@ class SecondOrderOptimizer(Optimizer):
 
         1. The parameters: those that require grad and, without a closure, hold a ``p.grad``. With none, the step
            changes nothing and returns the closure's loss.
-        2. With a closure (which runs the forward and returns what :data:`optim._closure.CLOSURE_CONTRACT` allows,
-           without calling backward): evaluate it with its graph, average its loss over the ranks, and leave out
-           the parameters the loss does not reach (on any rank; their ``p.grad`` is set to ``None``).
+        2. With a closure (which runs the forward and returns the loss, ``(loss, outputs)`` or a dict with
+           ``loss`` and optionally ``outputs``, ``targets`` and ``loss_hessian``, without calling backward):
+           evaluate it with its graph, average its loss over the ranks, and leave out the parameters the loss does
+           not reach (on any rank; their ``p.grad`` is set to ``None``).
         3. The gradient and the curvature (:meth:`_differentiate`, or :meth:`_differentiate_gradients` from
            ``p.grad``), rank averages; the gradient goes to ``p.grad``.
         4. The update, computed out of place (:meth:`_propose`) and written only if the loss, the gradient, the
