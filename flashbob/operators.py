@@ -14,10 +14,10 @@ tensors, optional tensors (``None``: an absent, zero cotangent or tangent; for `
 * The kernels' passes are opaque custom operators too: inductor calls them as they are and launches their kernels
   at run time, tuned, in the thread that runs the pass (the backward's, whose Triton allocator the kernels' tensor
   descriptors need). Their fake implementation is their host code run on fake tensors, which launches nothing
-  (:mod:`flashbob.kernels.tracing`). As Triton operators (:func:`torch.library.triton_op`), whose kernels inductor
-  compiles into its own code, the kernels failed on the H100 (Triton 3.6, torch 2.11, 2026-12-07): inductor's
-  compilation of them raised in its worker process, and under aot_eager the backward's kernels found no allocator
-  for their tensor descriptors.
+  (:mod:`flashbob.kernels.tracing`). They are not Triton operators (:func:`torch.library.triton_op`), whose kernels
+  inductor compiles into its own code: with Triton 3.6 and torch 2.11, inductor's compilation of them raises in its
+  worker process, and under aot_eager the backward's kernels find no allocator for their tensor descriptors
+  (docs/performance.md).
 
 The forward operators are differentiable once (:func:`torch.library.register_autograd`, through the backward
 operator), which is what torch.compile, differentiating once, needs; the autograd Functions of
