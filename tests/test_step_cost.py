@@ -233,6 +233,21 @@ def softmax_regression_closure(x: Tensor, y: Tensor, weight: Tensor, seen: list 
     return closure
 
 
+def check_first_step_on_three_rows(make_optimizer, x, y, w0, g, h, lr, b1, eps) -> Tensor:
+    """The first step of a Sophia optimizer ``make_optimizer(weight, rho)`` refreshing its estimate on rows 0-2: the
+    closure sees all 8 rows, then rows 0-2, and the step is theta - lr clip(m / max(rho h, eps), 1) with
+    m = (1 - b1) g, for a rho that clips some coordinates and not others. Returns the stepped weight."""
+    rho = rho_that_splits((1 - b1) * g, h)
+    weight, seen = w0.clone().requires_grad_(), []
+    opt = make_optimizer(weight, rho)
+    opt.step(softmax_regression_closure(x, y, weight, seen))
+    assert seen == [list(range(8)), [0, 1, 2]] and opt.stats["hessian_rows"] == 3
+    assert 0 < opt.stats["unclipped_fraction"] < 1  # else the step would not depend on h
+    expected = w0 - lr * ((1 - b1) * g / (rho * h).clamp_min(eps)).clamp(-1, 1)
+    torch.testing.assert_close(weight.detach(), expected, rtol=1e-12, atol=1e-14)
+    return weight
+
+
 @pytest.mark.parametrize("hessian_batch", [3, 0.4])
 def test_sophia_h_hessian_batch_estimates_on_exactly_the_requested_rows(gen, hessian_batch):
     """A refresh with hessian_batch: gradient g_8 of all 8 rows from closure(), h_hat = u * (H_3 u) from closure(rows
@@ -244,15 +259,10 @@ def test_sophia_h_hessian_batch_estimates_on_exactly_the_requested_rows(gen, hes
     h3 = hessian(lambda w: F.cross_entropy(x[:3] @ w, y[:3]))(w0).reshape(12, 12)
     h = (1 - b2) * u * (h3 @ u.reshape(-1)).reshape(u.shape)
     g = torch.func.grad(lambda w: F.cross_entropy(x @ w, y))(w0)
-    rho = rho_that_splits((1 - b1) * g, h)
-    weight, seen = w0.clone().requires_grad_(), []
-    opt = SophiaH([weight], lr=lr, betas=(b1, b2), rho=rho, weight_decay=0.0, eps=eps, hessian_batch=hessian_batch,
-                  generator=torch.Generator().manual_seed(3))  # fmt: skip
-    opt.step(softmax_regression_closure(x, y, weight, seen))
-    assert seen == [list(range(8)), [0, 1, 2]] and opt.stats["hessian_rows"] == 3
-    assert 0 < opt.stats["unclipped_fraction"] < 1  # else the step would not depend on h
-    expected = w0 - lr * ((1 - b1) * g / (rho * h).clamp_min(eps)).clamp(-1, 1)
-    torch.testing.assert_close(weight.detach(), expected, rtol=1e-12, atol=1e-14)
+    weight = check_first_step_on_three_rows(
+        lambda weight, rho: SophiaH([weight], lr=lr, betas=(b1, b2), rho=rho, weight_decay=0.0, eps=eps,
+                                    hessian_batch=hessian_batch, generator=torch.Generator().manual_seed(3)),
+        x, y, w0, g, h, lr, b1, eps)
     torch.testing.assert_close(weight.grad, g, rtol=1e-12, atol=1e-14)
 
 
@@ -384,15 +394,10 @@ def test_sophia_g_hessian_batch_samples_labels_on_exactly_the_requested_rows(gen
     g_hat = torch.func.grad(lambda w: F.cross_entropy(x[:3] @ w, labels))(w0)
     h = (1 - b2) * 3 * g_hat**2
     g = torch.func.grad(lambda w: F.cross_entropy(x @ w, y))(w0)
-    rho = rho_that_splits((1 - b1) * g, h)
-    weight, seen = w0.clone().requires_grad_(), []
-    opt = SophiaG([weight], lr=lr, betas=(b1, b2), rho=rho, weight_decay=0.0, eps=eps, hessian_batch=3,
-                  generator=torch.Generator().manual_seed(5))  # fmt: skip
-    opt.step(softmax_regression_closure(x, y, weight, seen))
-    assert seen == [list(range(8)), [0, 1, 2]] and opt.stats["hessian_rows"] == 3
-    assert 0 < opt.stats["unclipped_fraction"] < 1  # else the step would not depend on h
-    expected = w0 - lr * ((1 - b1) * g / (rho * h).clamp_min(eps)).clamp(-1, 1)
-    torch.testing.assert_close(weight.detach(), expected, rtol=1e-12, atol=1e-14)
+    check_first_step_on_three_rows(
+        lambda weight, rho: SophiaG([weight], lr=lr, betas=(b1, b2), rho=rho, weight_decay=0.0, eps=eps,
+                                    hessian_batch=3, generator=torch.Generator().manual_seed(5)),
+        x, y, w0, g, h, lr, b1, eps)
 
 
 def test_hessian_batch_bad_input_is_named(gen):
