@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 #: Triton's interpreter runs the kernels on CPU tensors (``tests/conftest.py`` turns it on without CUDA).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -90,3 +91,15 @@ def assert_terms_match(outputs: dict, refs: dict, tolerance: float) -> list[str]
             assert error < tolerance, f"{name}: relative error {error:.2e} >= {tolerance:.0e}"
             compared.append(name)
     return compared
+
+
+class OperationRecorder(TorchDispatchMode):
+    """Calls :meth:`record` with every aten operation run inside it and the tensors it produced."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.record(func, [t for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor)])
+        return out
+
+    def record(self, func, outputs: list[torch.Tensor]) -> None:
+        raise NotImplementedError

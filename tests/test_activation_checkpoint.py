@@ -15,7 +15,6 @@ import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import flashbob
 import optim
@@ -24,7 +23,7 @@ from optim import CrossEntropyHessian, GGNOperator
 from optim.forward_mode_checks import active_dropout
 from recipes.common.transformer import KeptAttention
 from recipes.lm.model import GPT, cross_entropy
-from tests.helpers import BACKENDS, exact_tolerance, on_backend
+from tests.helpers import BACKENDS, OperationRecorder, exact_tolerance, on_backend
 
 ATTENTION_MODULE = importlib.import_module("flashbob.attention")  # the package's ``attention`` is the function
 
@@ -539,18 +538,15 @@ def test_kept_outputs_through_both_backends_in_both_modes(backend: str) -> None:
                          rtol=exact_tolerance(x), atol=exact_tolerance(x))
 
 
-class AliveStorages(TorchDispatchMode):
+class AliveStorages(OperationRecorder):
     """Records every tensor the operations inside it produce; :meth:`bytes` counts the storages still alive."""
 
     def __init__(self):
         super().__init__()
         self.produced = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.produced += [weakref.ref(t) for t in (out if isinstance(out, (tuple, list)) else [out])
-                          if isinstance(t, torch.Tensor)]
-        return out
+    def record(self, func, outputs: list[torch.Tensor]) -> None:
+        self.produced += [weakref.ref(t) for t in outputs]
 
     def bytes(self, excluding: list[torch.Tensor]) -> int:
         gc.collect()
