@@ -4,11 +4,12 @@ from flashbob import masks, reference
 from flashbob.attention import attention
 from flashbob.dropin import FallbackError, FallbackWarning, patch_sdpa, sdpa, set_strict
 from flashbob.flex import flex_attention, patch_flex_attention
+from flashbob.kept import KeptAttention
 
 __version__ = "0.1.0"
 __all__ = [
     "attention", "sdpa", "patch_sdpa", "flex_attention", "patch_flex_attention", "set_strict", "FallbackWarning",
-    "FallbackError", "masks", "reference", "tune", "__version__",
+    "FallbackError", "KeptAttention", "masks", "reference", "tune", "__version__",
 ]
 
 

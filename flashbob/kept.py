@@ -24,7 +24,7 @@ that the kept outputs are the ones it would compute). What can be checked is, an
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -139,3 +139,30 @@ def through(name: str, args: tuple, compute: Callable[[], Outputs]) -> Outputs:
     outputs = compute()
     store.keep(name, signature, outputs)
     return outputs
+
+
+class KeptAttention:
+    """flashbob's attention outputs (``O`` and its row statistics, in forward mode their tangents) kept for one
+    ``optim.checkpoint`` call (``optim.checkpoint(block, x, kept=flashbob.KeptAttention())``, an
+    ``optim.checkpoint.KeptOutputs``): the recomputation of the checkpointed block takes them instead of running
+    attention's forward kernels again, ``O(N·d)`` memory per attention call for ``O(N²·d)`` less work."""
+
+    diverged = Diverged
+
+    def __init__(self) -> None:
+        self._store = KeptOutputs()
+
+    def keeping(self) -> AbstractContextManager:
+        """The first run's context: its attention calls keep their outputs here."""
+        return keeping(self._store)
+
+    def reusing(self) -> AbstractContextManager:
+        """A recomputation's context: its attention calls take the kept outputs (raises :class:`Diverged` where a
+        call differs from the first run's)."""
+        return reusing(self._store)
+
+    def mismatch(self) -> str | None:
+        """Why the recomputation's outputs may differ from its first run's (it took fewer than were kept), or None."""
+        if not self._store.reusing or self._store.complete():
+            return None
+        return "took fewer of the first run's attention outputs than it kept"

@@ -69,10 +69,13 @@ class KeptOutputs(Protocol):
     knows (the recipes keep flashbob's attention outputs).
 
     The first run runs inside :meth:`keeping`, each recomputation inside :meth:`reusing`. A recomputation that
-    calls a kept operation differently from the first run raises :class:`Diverged` inside :meth:`reusing`; one that
-    took fewer kept outputs than were kept is reported by :meth:`mismatch`. Either way the block runs once more,
-    computing everything.
+    calls a kept operation differently from the first run raises :attr:`diverged` (or :class:`Diverged`) inside
+    :meth:`reusing`; one that took fewer kept outputs than were kept is reported by :meth:`mismatch`. Either way
+    the block runs once more, computing everything. ``flashbob.KeptAttention`` is one for flashbob's attention.
     """
+
+    #: The exception :meth:`reusing` raises where a recomputation diverges from the first run.
+    diverged: type[Exception]
 
     def keeping(self) -> AbstractContextManager[Any]:
         """The context of the first run: the operations inside keep their outputs here (and only here)."""
@@ -172,7 +175,7 @@ class _Run:
             reason = self.kept.mismatch()
             if reason is None:
                 return output
-        except Diverged as error:
+        except (Diverged, getattr(self.kept, "diverged", Diverged)) as error:
             reason = str(error)
         warnings.warn(f"checkpoint: the recomputation of a block {reason}; it runs again without them (one more "
                       "forward of the block). A module whose attention differs between the forward and the "

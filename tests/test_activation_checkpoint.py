@@ -21,7 +21,6 @@ import optim
 from flashbob import blocked, kept
 from optim import CrossEntropyHessian, GGNOperator
 from optim.forward_mode_checks import active_dropout
-from recipes.common.transformer import KeptAttention
 from recipes.lm.model import GPT, cross_entropy
 from tests.helpers import BACKENDS, OperationRecorder, exact_tolerance, on_backend
 
@@ -305,13 +304,13 @@ def test_an_output_that_needs_no_gradient_gets_none() -> None:
     assert grad is None
 
 
-# Attention outputs kept from the first run (KeptAttention) and reused by the recomputation.
+# Attention outputs kept from the first run (flashbob.KeptAttention) and reused by the recomputation.
 
 
 def checkpoint(module: nn.Module, *inputs: torch.Tensor) -> torch.Tensor:
     """``optim.checkpoint`` keeping the module's flashbob attention outputs for the recomputation, as the recipe
     GPT's blocks do."""
-    return optim.checkpoint(module, *inputs, kept=KeptAttention())
+    return optim.checkpoint(module, *inputs, kept=flashbob.KeptAttention())
 
 
 class Attend(nn.Module):
@@ -409,7 +408,7 @@ def test_a_recomputation_that_calls_attention_differently_runs_again_without_the
     grads = []
     for save_attention in (False, True):
         block = Attend(causal=True)
-        y = optim.checkpoint(block, x, kept=KeptAttention() if save_attention else None).sum()
+        y = optim.checkpoint(block, x, kept=flashbob.KeptAttention() if save_attention else None).sum()
         block.causal = False
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

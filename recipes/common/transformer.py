@@ -24,8 +24,7 @@ from einops import rearrange
 from torch import nn
 
 import flashbob
-from flashbob import kept, reference
-from optim.checkpoint import Diverged
+from flashbob import reference
 
 #: ``(q, k, v, *, causal, window=None, document_ids=None) -> o``, each ``(batch, heads, seq, head_dim)``; ``k`` and
 #: ``v`` may have fewer heads (GQA); ``window`` and ``document_ids`` as in :func:`flashbob.attention`
@@ -118,31 +117,6 @@ class AttentionSwitch:
             yield
         finally:
             self._curvature = previous
-
-
-class KeptAttention:
-    """flashbob's attention outputs (``O`` and its row statistics, in forward mode their tangents) as the kept
-    outputs of one ``optim.checkpoint`` call (an :class:`optim.checkpoint.KeptOutputs`): the recomputation of a
-    checkpointed block takes them instead of running attention's forward kernels again (:mod:`flashbob.kept`)."""
-
-    def __init__(self) -> None:
-        self._store = kept.KeptOutputs()
-
-    def keeping(self) -> AbstractContextManager:
-        return kept.keeping(self._store)
-
-    @contextmanager
-    def reusing(self) -> Iterator[None]:
-        try:
-            with kept.reusing(self._store):
-                yield
-        except kept.Diverged as error:
-            raise Diverged(str(error)) from error
-
-    def mismatch(self) -> str | None:
-        if not self._store.reusing or self._store.complete():
-            return None
-        return "took fewer of the first run's attention outputs than it kept"
 
 
 def kv_heads(d_model: int, n_heads: int, n_kv_heads: int | None) -> int:

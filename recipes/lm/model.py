@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+import flashbob
 import optim
 from recipes.common.transformer import (
     AttentionFn,
     AttentionSwitch,
-    KeptAttention,
     RMSNorm,
     kv_heads,
     mlp_hidden,
@@ -109,7 +109,7 @@ class GPT(nn.Module):
     ``with model.attention.for_curvature():`` makes the model twice differentiable for a pass. ``window``: each
     query sees itself and the ``window - 1`` tokens before it (None: every earlier token). With
     ``checkpoint_activations`` every block runs through ``optim.checkpoint``, which keeps its attention outputs for
-    the recomputation if ``save_attention`` (:class:`~recipes.common.transformer.KeptAttention`).
+    the recomputation if ``save_attention`` (:class:`flashbob.KeptAttention`).
     """
 
     def __init__(
@@ -161,7 +161,7 @@ class GPT(nn.Module):
         extra = () if document_ids is None else (document_ids,)
         for block in self.blocks:
             if self.checkpoint_activations and torch.is_grad_enabled():
-                kept = KeptAttention() if self.save_attention else None
+                kept = flashbob.KeptAttention() if self.save_attention else None
                 x = optim.checkpoint(block, x, *extra, kept=kept, context=self.attention.current())
             else:
                 x = block(x, *extra)
