@@ -1,0 +1,1 @@
+"""Hessian and Gauss-Newton spectra of a trained language model: ``python -m recipes.spectrum``."""
