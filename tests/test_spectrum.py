@@ -98,6 +98,15 @@ class Problem:
         return (matrix + matrix.T) / 2
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The products of 616 parameters gain nothing from threads, and one thread is immune to a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def problem() -> Problem:
     torch.manual_seed(0)
