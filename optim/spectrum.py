@@ -313,12 +313,8 @@ def spectral_density(
     return SpectralDensity(grid, density, nodes, weights, (low, high), n)
 
 
-def hutchpp_trace(
-    operator: OperatorLike,
-    num_products: int = 30,
-    distribution: Distribution = "rademacher",
-    generator: torch.Generator | None = None,
-) -> float:
+def hutchpp_trace(operator: OperatorLike, num_products: int = 30, distribution: Distribution = "rademacher",
+                  generator: torch.Generator | None = None) -> float:
     r"""The Hutch++ estimate of the trace of a curvature matrix :math:`A` (Meyer, Musco, Musco and Woodruff, 2021),
     by curvlinops' ``hutchpp_trace``.
 
