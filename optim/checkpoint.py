@@ -69,9 +69,9 @@ class KeptOutputs(Protocol):
     knows (the recipes keep flashbob's attention outputs).
 
     The first run runs inside :meth:`keeping`, each recomputation inside :meth:`reusing`. A recomputation that
-    calls a kept operation differently from the first run raises :attr:`diverged` (or :class:`Diverged`) inside
-    :meth:`reusing`; one that took fewer kept outputs than were kept is reported by :meth:`mismatch`. Either way
-    the block runs once more, computing everything. ``flashbob.KeptAttention`` is one for flashbob's attention.
+    calls a kept operation differently from the first run raises :attr:`diverged` inside :meth:`reusing`; one that
+    took fewer kept outputs than were kept is reported by :meth:`mismatch`. Either way the block runs once more,
+    computing everything. ``flashbob.KeptAttention`` is one for flashbob's attention.
     """
 
     #: The exception :meth:`reusing` raises where a recomputation diverges from the first run.
@@ -90,11 +90,6 @@ class KeptOutputs(Protocol):
         """After a recomputation: why the outputs it took may not be those it would have computed (it took fewer
         than were kept), or ``None``."""
         ...
-
-
-class Diverged(RuntimeError):
-    """A recomputation called a kept operation differently from the first run (raised in
-    :meth:`KeptOutputs.reusing`); the message says how."""
 
 
 @dataclass
@@ -175,7 +170,7 @@ class _Run:
             reason = self.kept.mismatch()
             if reason is None:
                 return output
-        except (Diverged, getattr(self.kept, "diverged", Diverged)) as error:
+        except self.kept.diverged as error:
             reason = str(error)
         warnings.warn(f"checkpoint: the recomputation of a block {reason}; it runs again without them (one more "
                       "forward of the block). A module whose attention differs between the forward and the "
